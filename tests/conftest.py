@@ -1,0 +1,69 @@
+"""Session-wide fixtures: shared servers and models, started once per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_home(tmp_path_factory):
+    """Keep caches and Prefect state of the test session out of the user's home."""
+    home = tmp_path_factory.mktemp("trace-rl-home")
+    os.environ.setdefault("TRACE_RL_CACHE", str(home / "cache"))
+    os.environ["TRACE_RL_HOME"] = str(home)
+    os.environ["DO_NOT_TRACK"] = "1"
+    yield
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode) on loopback, with a bucket `trace-rl-test`."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, 30, proc)
+        endpoint = f"http://127.0.0.1:{port}"
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        os.environ.update(env)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="trace-rl-test")
+        yield {"endpoint_url": endpoint, "bucket": "trace-rl-test",
+               "storage_options": {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing", "secret": "testing"}}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from trace_rl.tiny import build_tiny
+
+    return str(build_tiny(0))

@@ -1,0 +1,102 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trace_rl.config import ConfigError, load_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def minimal(**extra):
+    return {"name": "run", "env": [{"id": "reverse-text"}], **extra}
+
+
+def problems(data) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_config(data)
+    return info.value.problems
+
+
+def test_demo_config_loads_with_typed_overrides():
+    config = load_config(DEMO, ["trainer.lr=1e-5", "env.0.group_size=4", "name=other", "sampling.temperature=0.7"])
+    assert config.trainer.lr == 1e-5
+    assert config.env[0].group_size == 4
+    assert config.name == "other"
+    assert config.sampling.temperature == 0.7
+    assert [a.id for a in config.algorithms_for(config.env[0])] == ["grpo"]
+
+
+def test_every_wrong_key_is_named_with_a_fix():
+    found = problems(minimal(env=[{"id": "a", "group_sze": 3}], trainer={"lrr": 1, "loss": {"kl": 1}}))
+    assert "env.0.group_sze: unknown key; did you mean 'group_size'?" in found
+    assert "trainer.lrr: unknown key; did you mean 'lr'?" in found
+    assert any(p.startswith("trainer.loss.kl: unknown key") and "kl_tau" in p for p in found)
+    assert len(found) == 3
+
+
+def test_wrong_types_and_missing_keys():
+    found = problems({"env": [{"id": "a"}], "trainer": {"lr": "fast"}})
+    assert "name: required key is missing; add it" in found
+    assert any(p.startswith("trainer.lr:") and "'fast'" in p for p in found)
+
+
+def test_policy_key_is_reserved_and_actor_must_be_token_capable():
+    assert any("reserved" in p for p in problems(minimal(models={"policy": {"name": "tiny"}})))
+    assert any("actor: 'ref' is not a model" in p for p in problems(minimal(actor="ref")))
+    found = problems(minimal(actor="reference", algorithms=["sft"], models={"reference": {"name": "tiny:1"}}))
+    assert any("tokens = true" in p for p in found)
+
+
+def test_unknown_algorithm_lists_known_ids_unless_env_has_server():
+    found = problems(minimal(algorithms=["nope"]))
+    assert any("unknown algorithm 'nope'" in p and "grpo" in p for p in found)
+    config = validate_config(minimal(algorithms=["grpo"], env=[{"id": "a", "server": "http://127.0.0.1:1", "algorithms": ["nope"]}]))
+    assert config.env[0].algorithms[0].id == "nope"
+
+
+def test_env_algorithms_replace_the_default_list():
+    config = validate_config(minimal(algorithms=["grpo"], env=[{"id": "a", "algorithms": ["rl", {"id": "echo"}]}, {"id": "b"}]))
+    assert [a.id for a in config.algorithms_for(config.env[0])] == ["rl", "echo"]
+    assert [a.id for a in config.algorithms_for(config.env[1])] == ["grpo"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "trace_rl.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_dry_run_prints_resolved_config_without_torch_or_vllm():
+    probe = "import sys, trace_rl.cli as c; rc = c.main(sys.argv[1:]); " \
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'dry run imported torch/vllm'; sys.exit(rc)"
+    out = subprocess.run([sys.executable, "-c", probe, "train", str(DEMO), "--dry-run", "--set", "trainer.lr=2e-5"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "lr = 2e-05" in out.stdout and 'name = "demo"' in out.stdout
+
+
+def test_dry_run_reprint_is_a_valid_equal_config(tmp_path):
+    from trace_rl.config import config_to_toml
+
+    config = load_config(DEMO)
+    path = tmp_path / "resolved.toml"
+    path.write_text(config_to_toml(config))
+    assert load_config(path) == config
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEMO.read_text().replace("group_size = 8", "group_sise = 8"))
+    out = _cli("train", str(bad), "--dry-run")
+    assert out.returncode == 2
+    assert "env.0.group_sise: unknown key; did you mean 'group_size'?" in out.stderr
+
+
+def test_config_schema_is_json_with_the_contract_keys():
+    import json
+
+    out = _cli("config-schema")
+    schema = json.loads(out.stdout)
+    for key in ("name", "steps", "seed", "storage", "actor", "algorithms", "model", "models", "env", "trainer"):
+        assert key in schema["properties"]

@@ -1,0 +1,139 @@
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from trace_rl.storage import RunStorage
+from trace_rl.tables import TrainingSample, read_batch, read_traces, write_batch, write_traces
+from tests.test_trace import make_branch, make_trace
+
+
+def sample_traces():
+    b = make_branch()
+    b.advantages, b.mask = np.linspace(-1, 1, 5).astype(np.float32), np.array([0, 0, 0, 1, 1], bool)
+    return [
+        make_trace("t0", reward=1.0, rewards={"sim": 1.0}, info={"answer": "x", "n": [1, 2]},
+                   branches=[b, make_branch(index=1, n=7)]),
+        make_trace("t1", reward=0.0, error="sampler timeout", branches=[]),
+        make_trace("t2", agent="judge", trainable=False, policy_version=3),
+    ]
+
+
+def sample_batch():
+    return [
+        TrainingSample(
+            trace_id=f"t{i}", branch_index=0, env="reverse-text", input_ids=np.arange(n), temperature=0.7,
+            inference_logprobs=np.full(n, -0.25), rl_values=np.linspace(0, 1, n), rl_mask=np.arange(n) > 1,
+            ce_values=np.zeros(n), ce_mask=np.zeros(n, bool),
+        )
+        for i, n in enumerate([4, 9])
+    ]
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def storage(request, tmp_path):
+    if request.param == "local":
+        return RunStorage(str(tmp_path), "run")
+    if request.param == "memory":
+        return RunStorage(f"memory://trace-rl-{tmp_path.name}", "run")
+    s3 = request.getfixturevalue("s3_server")
+    return RunStorage(f"s3://{s3['bucket']}/{tmp_path.name}", "run", s3["storage_options"])
+
+
+def test_traces_round_trip_exactly(storage):
+    traces = sample_traces()
+    write_traces(storage, 3, traces)
+    back = read_traces(storage, 3)
+    assert [t.id for t in back] == ["t0", "t1", "t2"]
+    assert all(a.equals(b) for a, b in zip(traces, back))
+    assert back[1].branches == [] and back[1].error == "sampler timeout"
+
+
+def test_batches_round_trip_exactly(storage):
+    batch = sample_batch()
+    write_batch(storage, 0, batch)
+    back = read_batch(storage, 0)
+    for a, b in zip(batch, back):
+        assert (a.trace_id, a.branch_index, a.env) == (b.trace_id, b.branch_index, b.env)
+        for name in ("input_ids", "inference_logprobs", "rl_values", "rl_mask", "ce_values", "ce_mask"):
+            expected = getattr(a, name)
+            got = getattr(b, name)
+            assert got.dtype == {"input_ids": np.int32, "rl_mask": np.bool_, "ce_mask": np.bool_}.get(name, np.float32)
+            np.testing.assert_array_equal(got, expected.astype(got.dtype))
+
+
+def test_layout_uses_six_digit_steps(storage):
+    write_traces(storage, 12, sample_traces())
+    assert storage.exists(storage.path("steps", "000012", "traces.parquet"))
+
+
+def test_interrupted_file_write_leaves_nothing_readable(storage):
+    path = storage.step_path(1, "batch.parquet")
+
+    def crash_midway(f):
+        f.write(b"PAR1 half a parquet file")
+        raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        storage.write_atomic(path, crash_midway)
+    assert not storage.exists(path)
+    assert storage.fs.ls(storage.path("steps", "000001"), detail=False) == []
+
+
+def test_directories_count_only_once_marked_stable(storage):
+    for step in (1, 2, 3):
+        directory = storage.path("checkpoints", f"{step:06d}")
+        storage.fs.makedirs(directory, exist_ok=True)
+        storage.write_atomic(f"{directory}/model.bin", b"weights")
+        if step != 3:
+            storage.mark_stable(directory)
+    assert storage.stable_steps("checkpoints") == [1, 2]
+    assert storage.latest_stable("checkpoints") == 2
+
+
+def test_upload_and_download_dir(storage, tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.json").write_text("{}")
+    (src / "sub" / "b.bin").write_bytes(b"\x00\x01")
+    target = storage.path("weights", "000004")
+    storage.upload_dir(str(src), target)
+    assert storage.latest_stable("weights") == 4
+    storage.download_dir(target, str(tmp_path / "dst"))
+    assert (tmp_path / "dst" / "sub" / "b.bin").read_bytes() == b"\x00\x01"
+    assert not (tmp_path / "dst" / "STABLE").exists()
+
+
+def test_killed_writer_process_leaves_no_complete_file(tmp_path):
+    """SIGKILL in the middle of a write: the final path never appears."""
+    script = (
+        "import sys, time; from trace_rl.storage import RunStorage\n"
+        f"s = RunStorage({str(tmp_path)!r}, 'run')\n"
+        "def slow(f):\n"
+        "    f.write(b'x' * 1000); f.flush(); print('writing', flush=True); time.sleep(60)\n"
+        "s.write_atomic(s.step_path(0, 'traces.parquet'), slow)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.kill()
+    proc.wait()
+    storage = RunStorage(str(tmp_path), "run")
+    assert not storage.exists(storage.step_path(0, "traces.parquet"))
+
+
+def test_tables_are_readable_by_common_tools(tmp_path):
+    import duckdb
+    import pandas as pd
+    import polars as pl
+
+    storage = RunStorage(str(tmp_path), "run")
+    path = write_traces(storage, 0, sample_traces())
+    assert len(pd.read_parquet(path)) == 4  # one row per branch; the errored trace keeps one row
+    assert pl.read_parquet(path)["trace_id"].to_list() == ["t0", "t0", "t1", "t2"]
+    assert duckdb.sql(f"select count(*) from '{path}' where branch_index is null").fetchone()[0] == 1
+    batch = write_batch(storage, 0, sample_batch())
+    assert pq.read_table(batch).column("input_ids").type.value_type.bit_width == 32
+    assert pd.read_parquet(batch)["rl_mask"].map(len).tolist() == [4, 9]

@@ -1,0 +1,155 @@
+"""The algorithm API: configs, the base class and the registry.
+
+An algorithm receives one group of traces (all rollouts of one example of one env)
+and, on each branch it trains, sets `branch.advantages` (float32, one per token) and
+`branch.mask` (bool, one per token). The runner turns what it set into a channel
+`(algorithm id, loss, values, mask)`; channels of the same loss are summed later.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from trace_rl.trace import Trace
+
+Loss = Literal["rl", "ce"]
+LOSSES: tuple[str, ...] = ("rl", "ce")
+
+
+@dataclass(eq=False)
+class Channel:
+    """What one algorithm set on one branch: per-token `values` (float32) and `mask` (bool)."""
+
+    algorithm_id: str
+    loss: str
+    trace_id: str
+    branch_index: int
+    values: np.ndarray
+    mask: np.ndarray
+
+
+class AlgorithmConfig(BaseModel):
+    """`id` plus the algorithm's own keys, flat: `{id = "echo", user = {alpha = 0.5}}`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    id: str
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @classmethod
+    def parse(cls, spec: str | Mapping[str, Any] | AlgorithmConfig) -> AlgorithmConfig:
+        if isinstance(spec, AlgorithmConfig):
+            return spec
+        if isinstance(spec, str):
+            return cls(id=spec)
+        return cls(**spec)
+
+
+class NoOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AlgorithmError(ValueError):
+    """A bad algorithm config or a group an algorithm cannot handle."""
+
+
+class Algorithm:
+    """Base class. Subclasses set `loss`, optionally `Options`, and implement `advantage`."""
+
+    loss: ClassVar[Loss] = "rl"
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, config: AlgorithmConfig):
+        self.config = config
+        self.id = config.id
+        self.options = validate_options(type(self), config)
+
+    @classmethod
+    def check_config(cls, options: BaseModel, run_config: Any) -> list[str]:
+        """Problems with using this algorithm in `run_config` (a trace_rl.config.Config), checked at load time."""
+        return []
+
+    async def setup(self, models: Mapping[str, Any]) -> None:
+        """Bind model runtimes by key (`policy`, `reference`, ...). Default: none needed."""
+
+    async def advantage(self, traces: list[Trace]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """State saved in checkpoints (e.g. running baselines). Stateless by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise AlgorithmError(f"algorithm {self.id!r} keeps no state but was given {sorted(state)}")
+
+
+def validate_options(cls: type[Algorithm], config: AlgorithmConfig) -> BaseModel:
+    try:
+        return cls.Options(**config.options)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(cls.Options.model_fields) or "none"
+                problems.append(f"unknown key {where!r} (known keys: {known})")
+            else:
+                problems.append(f"{where}: {err['msg']}")
+        raise AlgorithmError(f"algorithm {config.id!r}: " + "; ".join(problems)) from None
+
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(algorithm_id: str):
+    """Class decorator adding an algorithm to the registry under `algorithm_id`."""
+
+    def add(cls: type[Algorithm]) -> type[Algorithm]:
+        if algorithm_id in REGISTRY and REGISTRY[algorithm_id] is not cls:
+            raise AlgorithmError(f"algorithm id {algorithm_id!r} is already registered")
+        REGISTRY[algorithm_id] = cls
+        return cls
+
+    return add
+
+
+def is_import_path(algorithm_id: str) -> bool:
+    return ":" in algorithm_id
+
+
+def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
+    """The class for a builtin/registered id or a `package.module:ClassName` path; None if unknown."""
+    import trace_rl.algorithms.builtins  # noqa: F401  (registers the builtins)
+
+    if algorithm_id in REGISTRY:
+        return REGISTRY[algorithm_id]
+    if not is_import_path(algorithm_id):
+        return None
+    module_name, _, attr = algorithm_id.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise AlgorithmError(f"{algorithm_id!r} is not a trace_rl Algorithm subclass")
+    return cls
+
+
+def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm:
+    config = AlgorithmConfig.parse(spec)
+    cls = resolve_algorithm_class(config.id)
+    if cls is None:
+        raise AlgorithmError(
+            f"unknown algorithm {config.id!r}; builtin ids: {', '.join(sorted(REGISTRY))}, "
+            "or give an import path 'package.module:ClassName'"
+        )
+    return cls(config)

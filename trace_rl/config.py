@@ -1,0 +1,258 @@
+"""Run configuration: pydantic models loaded from TOML, with `--set key=value` overrides.
+
+Importing this module must stay cheap (no torch, no vllm): `trace-rl train --dry-run`
+validates a config with it alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trace_rl.algorithms.base import AlgorithmConfig
+
+POLICY = "policy"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Strict):
+    """The trained model (`[model]`); at run time its key is `policy`."""
+
+    name: str = Field("tiny", description="HF id, local directory, or 'tiny' (built offline, see docs/models.md)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class ExtraModelConfig(ModelConfig):
+    """Another model (`[models.<key>]`), e.g. a reference for distillation."""
+
+    tokens: bool = Field(False, description="token-capable: can sample token ids with logprobs and score token sequences")
+    base_url: str | list[str] | None = Field(None, description="vLLM server URL(s); several are used round-robin")
+    seed: int | None = Field(None, description="seed for the 'tiny' builder (default: the run seed + 1)")
+
+
+class InferenceConfig(Strict):
+    backend: Literal["vllm", "hf"] = "vllm"
+    base_url: str | None = Field(None, description="a running vLLM OpenAI-compatible server for the policy")
+    max_model_len: int = Field(1024, gt=0)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
+    enforce_eager: bool = True
+    max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
+    request_timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(3, ge=0, description="retries of a retryable rollout error, with backoff")
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(1.0, gt=0)
+    max_completion_tokens: int = Field(64, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class EnvConfig(Strict):
+    id: str
+    batch_size: int = Field(8, gt=0, description="examples per step")
+    group_size: int = Field(8, gt=0, description="rollouts per example")
+    algorithms: list[AlgorithmConfig] | None = Field(None, description="replaces the top-level list for this env")
+    args: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
+    server: str | None = Field(None, description="URL of a remote env server for env-owned algorithms")
+    sampling: SamplingConfig | None = None
+
+    @field_validator("algorithms", mode="before")
+    @classmethod
+    def _parse_algorithms(cls, value: Any) -> Any:
+        return None if value is None else [AlgorithmConfig.parse(v) for v in value]
+
+
+class LossConfig(Strict):
+    dppo_mask_low: float = Field(0.2, ge=0)
+    dppo_mask_high: float = Field(0.2, ge=0)
+    kl_tau: float = Field(1e-3, ge=0)
+
+
+class TrainerConfig(Strict):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    micro_batch_tokens: int = Field(4096, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
+    num_processes: int = Field(1, gt=0, description="torchrun workers; > 1 launches the trainer as a subprocess")
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class CheckpointConfig(Strict):
+    keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints")
+    interval: int = Field(0, ge=0, description="also keep every interval-th checkpoint (0: none)")
+
+
+class PrefectConfig(Strict):
+    api_url: str | None = Field(None, description="a Prefect server to use instead of the embedded one")
+
+
+class Config(Strict):
+    name: str = Field(..., min_length=1, description="run name: the run lives at <storage>/<name>/")
+    steps: int = Field(10, gt=0)
+    seed: int = 0
+    storage: str = Field("runs", description="fsspec URL or local path")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, e.g. S3 endpoint")
+    actor: str = Field(POLICY, description="which model samples rollouts")
+    algorithms: list[AlgorithmConfig] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")])
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    models: dict[str, ExtraModelConfig] = Field(default_factory=dict)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    env: list[EnvConfig] = Field(..., min_length=1)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    prefect: PrefectConfig = Field(default_factory=PrefectConfig)
+
+    @field_validator("algorithms", mode="before")
+    @classmethod
+    def _parse_algorithms(cls, value: Any) -> Any:
+        return [AlgorithmConfig.parse(v) for v in value]
+
+    @field_validator("models")
+    @classmethod
+    def _policy_is_reserved(cls, models: dict[str, ExtraModelConfig]) -> dict[str, ExtraModelConfig]:
+        if POLICY in models:
+            raise ValueError("'policy' is reserved for [model]; use another key, e.g. [models.reference]")
+        return models
+
+    @model_validator(mode="after")
+    def _check_actor(self) -> Config:
+        if self.actor != POLICY:
+            if self.actor not in self.models:
+                known = ", ".join([POLICY, *self.models])
+                raise ValueError(f"actor: {self.actor!r} is not a model; use one of: {known}")
+            if not self.models[self.actor].tokens:
+                raise ValueError(f"actor: models.{self.actor} must set tokens = true to sample rollouts")
+        return self
+
+    def algorithms_for(self, env: EnvConfig) -> list[AlgorithmConfig]:
+        return env.algorithms if env.algorithms is not None else self.algorithms
+
+    def sampling_for(self, env: EnvConfig) -> SamplingConfig:
+        return env.sampling or self.sampling
+
+    def model_for(self, key: str) -> ModelConfig:
+        return self.model if key == POLICY else self.models[key]
+
+
+class ConfigError(ValueError):
+    """Every problem in a config, one per line, each naming the key and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names valid at `loc` (the parent of the offending key)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or current is None:
+            continue
+        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
+        if field is None:
+            return []
+        current = _model_in(field.annotation)
+    return list(current.model_fields) if current is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _describe(err: dict, model: type[BaseModel]) -> str:
+    loc = tuple(p for p in err["loc"] if p not in ("function-after[_parse_algorithms()]",))
+    where = ".".join(str(p) for p in loc) or "<top level>"
+    if err["type"] == "extra_forbidden":
+        known = _known_keys(model, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        fix = f"did you mean {close[0]!r}?" if close else f"remove it (known keys: {', '.join(known)})"
+        return f"{where}: unknown key; {fix}"
+    if err["type"] == "missing":
+        return f"{where}: required key is missing; add it"
+    msg = err["msg"].removeprefix("Value error, ")
+    if "input" in err and err["type"] != "value_error":
+        return f"{where}: {msg} (got {err['input']!r})"
+    return f"{where}: {msg}" if where != "<top level>" else msg
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply `a.b.0.c=value` to a raw config dict; the value is parsed as TOML, else a string."""
+    if "=" not in assignment:
+        raise ConfigError([f"--set {assignment!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-5"])
+    path, _, raw = assignment.partition("=")
+    parts = path.strip().split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError([f"--set {path}: {'.'.join(parts[:i]) or 'list'} has no item {part}"])
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError([f"--set {path}: no list item {last}"])
+        node[int(last)] = _parse_value(raw)
+    else:
+        node[last] = _parse_value(raw)
+
+
+def validate_config(data: dict[str, Any]) -> Config:
+    """Build a Config, collecting every problem (schema and algorithm options) into one ConfigError."""
+    try:
+        config = Config(**data)
+    except ValidationError as exc:
+        raise ConfigError([_describe(err, Config) for err in exc.errors()]) from None
+    from trace_rl.algorithms.check import check_algorithms
+
+    problems = check_algorithms(config)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such config file"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return validate_config(data)
+
+
+def config_to_toml(config: Config) -> str:
+    """The resolved config as TOML (None values omitted), readable back by load_config."""
+    import tomli_w
+
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

@@ -1,0 +1,210 @@
+"""Parquet tables: `traces.parquet` (one row per branch) and `batch.parquet` (one row per sample).
+
+Both are plain Arrow types, readable as-is by pyarrow, pandas, polars and duckdb.
+docs/storage.md documents every column.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trace_rl.storage import RunStorage
+from trace_rl.trace import ANNOTATIONS, TOKEN_ARRAYS, Branch, Trace
+
+LOSS_NAMES = ("rl", "ce")
+
+MESSAGE_TYPE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("name", pa.string()), ("tool_call_id", pa.string()),
+     ("tool_calls", pa.string())]
+)
+_ARROW = {np.int32: pa.int32(), np.bool_: pa.bool_(), np.float32: pa.float32()}
+
+TRACE_SCHEMA = pa.schema(
+    [
+        ("trace_id", pa.string()),
+        ("env", pa.string()),
+        ("example_id", pa.string()),
+        ("group_id", pa.string()),
+        ("agent", pa.string()),
+        ("trainable", pa.bool_()),
+        ("reward", pa.float64()),
+        ("rewards", pa.map_(pa.string(), pa.float64())),
+        ("metrics", pa.map_(pa.string(), pa.float64())),
+        ("info", pa.string()),
+        ("messages", pa.list_(MESSAGE_TYPE)),
+        ("error", pa.string()),
+        ("policy_version", pa.int64()),
+        ("num_branches", pa.int32()),
+        ("branch_index", pa.int32()),
+        ("temperature", pa.float64()),
+        *[(name, pa.list_(_ARROW[dtype])) for name, dtype in TOKEN_ARRAYS.items()],
+        *[(name, pa.list_(_ARROW[dtype])) for name, dtype in ANNOTATIONS.items()],
+    ]
+)
+
+BATCH_SCHEMA = pa.schema(
+    [
+        ("trace_id", pa.string()),
+        ("branch_index", pa.int32()),
+        ("env", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("temperature", pa.float32()),
+        ("inference_logprobs", pa.list_(pa.float32())),
+        *[col for loss in LOSS_NAMES for col in ((f"{loss}_values", pa.list_(pa.float32())),
+                                                  (f"{loss}_mask", pa.list_(pa.bool_())))],
+    ]
+)
+
+
+def _message_row(message) -> dict:
+    row = message.model_dump()
+    row["tool_calls"] = None if message.tool_calls is None else json.dumps(row["tool_calls"])
+    return row
+
+
+def traces_to_table(traces: list[Trace]) -> pa.Table:
+    """One row per branch; a trace without branches (e.g. errored) keeps one row with null branch columns."""
+    rows: dict[str, list] = {name: [] for name in TRACE_SCHEMA.names}
+    for trace in traces:
+        shared = {
+            "trace_id": trace.id, "env": trace.env, "example_id": trace.example_id, "group_id": trace.group_id,
+            "agent": trace.agent, "trainable": trace.trainable, "reward": trace.reward,
+            "rewards": list(trace.rewards.items()), "metrics": list(trace.metrics.items()),
+            "info": json.dumps(trace.info, sort_keys=True), "messages": [_message_row(m) for m in trace.messages],
+            "error": trace.error, "policy_version": trace.policy_version, "num_branches": len(trace.branches),
+        }
+        for branch in trace.branches or [None]:
+            for key, value in shared.items():
+                rows[key].append(value)
+            rows["branch_index"].append(None if branch is None else branch.index)
+            rows["temperature"].append(None if branch is None else branch.temperature)
+            for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
+                value = None if branch is None else getattr(branch, name)
+                rows[name].append(None if value is None else pa.array(value, type=_ARROW[value.dtype.type]))
+    return pa.Table.from_pydict(rows, schema=TRACE_SCHEMA)
+
+
+def _array(column: pa.ChunkedArray, row: int, dtype) -> np.ndarray | None:
+    value = column[row]
+    if not value.is_valid:
+        return None
+    return value.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def table_to_traces(table: pa.Table) -> list[Trace]:
+    columns = {name: table.column(name) for name in table.column_names}
+    traces: dict[str, Trace] = {}
+    for row in range(table.num_rows):
+        trace_id = columns["trace_id"][row].as_py()
+        if trace_id not in traces:
+            messages = []
+            for m in columns["messages"][row].as_py():
+                m = {k: v for k, v in m.items() if v is not None}
+                if "tool_calls" in m:
+                    m["tool_calls"] = json.loads(m["tool_calls"])
+                messages.append(m)
+            traces[trace_id] = Trace(
+                id=trace_id,
+                env=columns["env"][row].as_py(),
+                example_id=columns["example_id"][row].as_py(),
+                group_id=columns["group_id"][row].as_py(),
+                agent=columns["agent"][row].as_py(),
+                trainable=columns["trainable"][row].as_py(),
+                reward=columns["reward"][row].as_py(),
+                rewards=dict(columns["rewards"][row].as_py()),
+                metrics=dict(columns["metrics"][row].as_py()),
+                info=json.loads(columns["info"][row].as_py()),
+                messages=messages,
+                error=columns["error"][row].as_py(),
+                policy_version=columns["policy_version"][row].as_py(),
+            )
+        index = columns["branch_index"][row].as_py()
+        if index is None:
+            continue
+        arrays = {name: _array(columns[name], row, dtype) for name, dtype in {**TOKEN_ARRAYS, **ANNOTATIONS}.items()}
+        branch = Branch(index=index, temperature=columns["temperature"][row].as_py(), **arrays)
+        traces[trace_id].branches.append(branch)
+    return list(traces.values())
+
+
+@dataclass(eq=False)
+class TrainingSample:
+    """One row of batch.parquet: a branch's tokens with its aggregated per-loss channels."""
+
+    trace_id: str
+    branch_index: int
+    env: str
+    input_ids: np.ndarray
+    temperature: float
+    inference_logprobs: np.ndarray
+    rl_values: np.ndarray
+    rl_mask: np.ndarray
+    ce_values: np.ndarray
+    ce_mask: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+_SAMPLE_DTYPES = {
+    "input_ids": np.int32, "inference_logprobs": np.float32,
+    **{f"{loss}_{part}": (np.float32 if part == "values" else np.bool_) for loss in LOSS_NAMES
+       for part in ("values", "mask")},
+}
+
+
+def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
+    rows: dict[str, list] = {name: [] for name in BATCH_SCHEMA.names}
+    for sample in samples:
+        for name in BATCH_SCHEMA.names:
+            value = getattr(sample, name)
+            rows[name].append(np.asarray(value, dtype=_SAMPLE_DTYPES[name]) if name in _SAMPLE_DTYPES else value)
+    return pa.Table.from_pydict(rows, schema=BATCH_SCHEMA)
+
+
+def table_to_samples(table: pa.Table) -> list[TrainingSample]:
+    columns = {name: table.column(name) for name in BATCH_SCHEMA.names}
+    samples = []
+    for row in range(table.num_rows):
+        fields = {
+            name: (_array(col, row, _SAMPLE_DTYPES[name]) if name in _SAMPLE_DTYPES else col[row].as_py())
+            for name, col in columns.items()
+        }
+        samples.append(TrainingSample(**fields))
+    return samples
+
+
+def write_table(storage: RunStorage, path: str, table: pa.Table) -> None:
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    storage.write_atomic(path, buffer.getvalue())
+
+
+def read_table(storage: RunStorage, path: str) -> pa.Table:
+    return pq.read_table(io.BytesIO(storage.read_bytes(path)))
+
+
+def write_traces(storage: RunStorage, step: int, traces: list[Trace]) -> str:
+    path = storage.step_path(step, "traces.parquet")
+    write_table(storage, path, traces_to_table(traces))
+    return path
+
+
+def read_traces(storage: RunStorage, step: int) -> list[Trace]:
+    return table_to_traces(read_table(storage, storage.step_path(step, "traces.parquet")))
+
+
+def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -> str:
+    path = storage.step_path(step, "batch.parquet")
+    write_table(storage, path, samples_to_table(samples))
+    return path
+
+
+def read_batch(storage: RunStorage, step: int) -> list[TrainingSample]:
+    return table_to_samples(read_table(storage, storage.step_path(step, "batch.parquet")))

@@ -1,0 +1,205 @@
+"""The trace model: what a rollout produced, token for token.
+
+A `Trace` is one agent's view of one rollout: its chat messages and one or more
+`Branch`es. A branch is one root-to-leaf token sequence exactly as the model saw
+it; multi-turn rollouts extend a branch turn by turn and start a new branch only
+when the chat template cannot extend the previous tokens.
+
+Per-token arrays of a branch (all the same length):
+  token_ids      int32  the tokens
+  sampled        bool   produced by the actor (everything else is prompt, template
+                        scaffold or an environment observation)
+  logprobs       float32 inference logprob of each sampled token, 0 elsewhere
+  message_index  int32  index into `Trace.messages`, -1 for scaffold/generation prompts
+  is_content     bool   message body (True) vs template scaffold (False)
+
+Algorithms annotate a branch with `advantages` (float32) and `mask` (bool);
+None means "never assigned", which differs from zeros.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+TOKEN_ARRAYS = {
+    "token_ids": np.int32,
+    "sampled": np.bool_,
+    "logprobs": np.float32,
+    "message_index": np.int32,
+    "is_content": np.bool_,
+}
+ANNOTATIONS = {"advantages": np.float32, "mask": np.bool_}
+
+
+class TraceError(ValueError):
+    """A trace or branch that breaks the trace model's invariants."""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class Message(BaseModel):
+    """One chat message. Tool results carry the tool `name` (or a `tool_call_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+@dataclass(eq=False)
+class Branch:
+    token_ids: np.ndarray
+    sampled: np.ndarray
+    logprobs: np.ndarray
+    message_index: np.ndarray
+    is_content: np.ndarray
+    index: int = 0
+    temperature: float = 1.0
+    advantages: np.ndarray | None = None
+    mask: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name, dtype in TOKEN_ARRAYS.items():
+            setattr(self, name, np.asarray(getattr(self, name), dtype=dtype))
+        lengths = {name: len(getattr(self, name)) for name in TOKEN_ARRAYS}
+        if len(set(lengths.values())) != 1:
+            raise TraceError(f"branch {self.index}: per-token arrays differ in length: {lengths}")
+        self.index = int(self.index)
+        self.temperature = float(self.temperature)
+        if not self.temperature > 0:
+            raise TraceError(f"branch {self.index}: temperature must be > 0, got {self.temperature}")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def clear_annotations(self) -> None:
+        self.advantages = None
+        self.mask = None
+
+    def equals(self, other: Branch) -> bool:
+        if (self.index, self.temperature) != (other.index, other.temperature):
+            return False
+        for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
+            a, b = getattr(self, name), getattr(other, name)
+            if (a is None) != (b is None):
+                return False
+            if a is not None and (a.dtype != b.dtype or not np.array_equal(a, b)):
+                return False
+        return True
+
+
+@dataclass(eq=False)
+class Trace:
+    id: str
+    env: str
+    example_id: str
+    group_id: str
+    branches: list[Branch] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    agent: str = "policy-agent"
+    trainable: bool = True
+    reward: float = 0.0
+    rewards: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        self.messages = [m if isinstance(m, Message) else Message(**m) for m in self.messages]
+        self.reward = float(self.reward)
+        if not math.isfinite(self.reward):
+            raise TraceError(f"trace {self.id}: reward must be finite, got {self.reward}")
+        self.rewards = {k: float(v) for k, v in self.rewards.items()}
+        self.metrics = {k: float(v) for k, v in self.metrics.items()}
+        for position, branch in enumerate(self.branches):
+            if branch.index != position:
+                raise TraceError(f"trace {self.id}: branch at position {position} has index {branch.index}")
+            bad = branch.message_index[branch.message_index >= len(self.messages)]
+            if bad.size:
+                raise TraceError(
+                    f"trace {self.id} branch {position}: message_index {int(bad[0])} "
+                    f"out of range for {len(self.messages)} messages"
+                )
+
+    @property
+    def ok(self) -> bool:
+        """Trainable and error-free: the only traces any builtin algorithm trains."""
+        return self.trainable and self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "env": self.env,
+            "example_id": self.example_id,
+            "group_id": self.group_id,
+            "agent": self.agent,
+            "trainable": self.trainable,
+            "reward": self.reward,
+            "rewards": self.rewards,
+            "metrics": self.metrics,
+            "info": self.info,
+            "messages": [m.model_dump(exclude_none=True) for m in self.messages],
+            "error": self.error,
+            "policy_version": self.policy_version,
+            "branches": [_branch_to_dict(b) for b in self.branches],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        data = dict(data)
+        branches = [_branch_from_dict(b) for b in data.pop("branches", [])]
+        return cls(branches=branches, **data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> Trace:
+        return cls.from_dict(json.loads(text))
+
+    def equals(self, other: Trace) -> bool:
+        mine, theirs = self.to_dict(), other.to_dict()
+        mine.pop("branches"), theirs.pop("branches")
+        return (
+            mine == theirs
+            and len(self.branches) == len(other.branches)
+            and all(a.equals(b) for a, b in zip(self.branches, other.branches))
+        )
+
+
+def _branch_to_dict(branch: Branch) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": branch.index, "temperature": branch.temperature}
+    for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
+        value = getattr(branch, name)
+        out[name] = None if value is None else value.tolist()
+    return out
+
+
+def _branch_from_dict(data: dict[str, Any]) -> Branch:
+    data = dict(data)
+    for name, dtype in ANNOTATIONS.items():
+        if data.get(name) is not None:
+            data[name] = np.asarray(data[name], dtype=dtype)
+    return Branch(**data)
+
+
+def group_traces(traces: list[Trace]) -> dict[str, list[Trace]]:
+    """Traces by `group_id`, in first-seen order (a group: all rollouts of one example of one env)."""
+    groups: dict[str, list[Trace]] = {}
+    for trace in traces:
+        groups.setdefault(trace.group_id, []).append(trace)
+    return groups
