@@ -1,0 +1,117 @@
+"""The `hf` sampler: a transformers model in this process, for machines without vLLM.
+
+Outputs match the vLLM sampler's: sampled token ids and their *processed* logprobs,
+log_softmax(logits / temperature) after top-p filtering, the same quantity the trainer
+computes for the sampled tokens. Model calls run in a worker thread behind one lock, so
+many async rollouts can share the runtime without blocking the event loop; each request
+samples from its own seeded RNG, so the same seed gives the same tokens on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import threading
+
+import numpy as np
+import torch
+
+from trace_rl.models import Generation, RuntimeConfig
+from trace_rl.tiny import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_safetensors_dir(local_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` file in a directory (sharded or not)."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(local_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {local_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors.update(load_file(path))
+    return tensors
+
+
+class HFRuntime:
+    """A `ModelRuntime` over a transformers causal LM loaded in this process."""
+
+    num_endpoints = 1
+
+    def __init__(self, config: RuntimeConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.key = config.key
+        self.config = config
+        self.policy_version = 0
+        path = resolve_model_path(config.name)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
+        self.model.eval()
+        self.device = torch.device("cpu")
+        self._lock = threading.Lock()
+
+    # -- sampling ---------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
+    ) -> Generation:
+        return await asyncio.to_thread(self._generate, list(prompt_ids), temperature, max_tokens, top_p, seed)
+
+    def _generate(self, prompt_ids: list[int], temperature: float, max_tokens: int, top_p: float, seed: int):
+        eos = self.tokenizer.eos_token_id
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=0,
+                max_new_tokens=max_tokens,
+                eos_token_id=eos,
+                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, len(prompt_ids) :]
+        # `scores` are the processed logits (divided by temperature, top-p filtered to -inf)
+        scores = torch.stack(out.scores, dim=1)[0].float()
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        token_ids = tokens.tolist()
+        finish = "stop" if token_ids and token_ids[-1] == eos else "length"
+        return Generation(token_ids=token_ids, logprobs=logprobs.tolist(), finish_reason=finish)
+
+    # -- scoring ----------------------------------------------------------------------
+    async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
+        return await asyncio.to_thread(self._score, list(token_ids), temperature)
+
+    def _score(self, token_ids: list[int], temperature: float) -> np.ndarray:
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        with self._lock, torch.no_grad():
+            logits = self.model(input_ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
+        return np.concatenate([[0.0], logprobs.numpy()]).astype(np.float32)
+
+    # -- weights ----------------------------------------------------------------------
+    def load_weights(self, local_dir: str, version: int) -> None:
+        """Load a safetensors state dict; checked in full first, so a bad one changes nothing."""
+        tensors = read_safetensors_dir(local_dir)
+        current = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(current))
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(current) - set(tensors) - tied)
+        mismatched = sorted(k for k in tensors.keys() & current.keys() if tensors[k].shape != current[k].shape)
+        if unknown or missing or mismatched:
+            raise ValueError(
+                f"weights in {local_dir} do not fit {self.config.name}: "
+                f"unknown {unknown[:5]}, missing {missing[:5]}, shape mismatch {mismatched[:5]}"
+            )
+        with self._lock, torch.no_grad():
+            for name, tensor in tensors.items():
+                current[name].copy_(tensor)
+        self.policy_version = version
