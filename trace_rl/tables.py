@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trace_rl.algorithms.base import Channel
 from trace_rl.storage import RunStorage
 from trace_rl.trace import ANNOTATIONS, TOKEN_ARRAYS, Branch, Trace
 
@@ -208,3 +209,54 @@ def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -
 
 def read_batch(storage: RunStorage, step: int) -> list[TrainingSample]:
     return table_to_samples(read_table(storage, storage.step_path(step, "batch.parquet")))
+
+
+CHANNEL_SCHEMA = pa.schema(
+    [
+        ("algorithm_id", pa.string()),
+        ("loss", pa.string()),
+        ("trace_id", pa.string()),
+        ("branch_index", pa.int32()),
+        ("values", pa.list_(pa.float32())),
+        ("mask", pa.list_(pa.bool_())),
+    ]
+)
+
+
+def channels_to_table(channels: list[Channel]) -> pa.Table:
+    """One row per channel (what one algorithm set on one branch)."""
+    return pa.Table.from_pydict(
+        {
+            "algorithm_id": [c.algorithm_id for c in channels],
+            "loss": [c.loss for c in channels],
+            "trace_id": [c.trace_id for c in channels],
+            "branch_index": [c.branch_index for c in channels],
+            "values": [np.asarray(c.values, np.float32) for c in channels],
+            "mask": [np.asarray(c.mask, np.bool_) for c in channels],
+        },
+        schema=CHANNEL_SCHEMA,
+    )
+
+
+def table_to_channels(table: pa.Table) -> list[Channel]:
+    columns = {name: table.column(name) for name in CHANNEL_SCHEMA.names}
+    return [
+        Channel(
+            algorithm_id=columns["algorithm_id"][row].as_py(),
+            loss=columns["loss"][row].as_py(),
+            trace_id=columns["trace_id"][row].as_py(),
+            branch_index=columns["branch_index"][row].as_py(),
+            values=_array(columns["values"], row, np.float32),
+            mask=_array(columns["mask"], row, np.bool_),
+        )
+        for row in range(table.num_rows)
+    ]
+
+
+def write_channels(storage: RunStorage, path: str, channels: list[Channel]) -> str:
+    write_table(storage, path, channels_to_table(channels))
+    return path
+
+
+def read_channels(storage: RunStorage, path: str) -> list[Channel]:
+    return table_to_channels(read_table(storage, path))

@@ -1,0 +1,77 @@
+"""Channel aggregation: per-branch channels of all algorithms -> one TrainingSample per trained branch.
+
+For each loss, the channels of that loss on a branch combine as
+    values = sum_c values_c * mask_c,    mask = OR_c mask_c,
+so `[grpo, opd]` trains on (r - mean) + (ref - behaviour). A loss no algorithm produced
+is all-zero/False. A branch becomes a sample when at least one of its tokens is masked.
+Run `validate_channels` first: aggregation assumes every channel fits its branch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from trace_rl.algorithms.base import LOSSES, Channel
+from trace_rl.tables import TrainingSample
+from trace_rl.trace import Branch, Trace
+
+
+def combine(channels: list[Channel], tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """values = sum_c values_c * mask_c (0 outside every mask), mask = OR_c mask_c."""
+    if not channels:
+        return np.zeros(tokens, np.float32), np.zeros(tokens, np.bool_)
+    first = channels[0]
+    values = np.where(first.mask, first.values, np.float32(0)).astype(np.float32, copy=False)
+    mask = first.mask.copy()
+    for channel in channels[1:]:
+        values += np.where(channel.mask, channel.values, np.float32(0)).astype(np.float32, copy=False)
+        mask |= channel.mask
+    return values, mask
+
+
+def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSample]:
+    """One sample per branch with at least one masked token, in trace and branch order."""
+    by_branch: dict[tuple[str, int], dict[str, list[Channel]]] = defaultdict(lambda: {loss: [] for loss in LOSSES})
+    for channel in channels:
+        by_branch[(channel.trace_id, channel.branch_index)][channel.loss].append(channel)
+    samples = []
+    for trace in traces:
+        for branch in trace.branches:
+            per_loss = by_branch.get((trace.id, branch.index))
+            if per_loss is None:
+                continue
+            combined = {loss: combine(per_loss[loss], len(branch)) for loss in LOSSES}
+            if any(mask.any() for _, mask in combined.values()):
+                samples.append(to_sample(trace, branch, combined))
+    return samples
+
+
+def to_sample(trace: Trace, branch: Branch, combined: dict[str, tuple[np.ndarray, np.ndarray]]) -> TrainingSample:
+    return TrainingSample(
+        trace_id=trace.id, branch_index=branch.index, env=trace.env, input_ids=branch.token_ids,
+        temperature=branch.temperature, inference_logprobs=branch.logprobs,
+        rl_values=combined["rl"][0], rl_mask=combined["rl"][1],
+        ce_values=combined["ce"][0], ce_mask=combined["ce"][1],
+    )
+
+
+def channel_stats(channels: list[Channel]) -> dict[str, float]:
+    """Per algorithm id: branches it annotated, tokens it masked, and mean/min/max of its masked values.
+
+    Keys are `channel/<algorithm id>/<stat>`; the value stats are 0 when nothing was masked.
+    """
+    by_algorithm: dict[str, list[Channel]] = defaultdict(list)
+    for channel in channels:
+        by_algorithm[channel.algorithm_id].append(channel)
+    stats: dict[str, float] = {}
+    for algorithm_id, group in by_algorithm.items():
+        masked = np.concatenate([c.values[c.mask] for c in group]).astype(np.float64)
+        prefix = f"channel/{algorithm_id}"
+        stats[f"{prefix}/branches"] = float(len(group))
+        stats[f"{prefix}/tokens"] = float(masked.size)
+        stats[f"{prefix}/mean"] = float(masked.mean()) if masked.size else 0.0
+        stats[f"{prefix}/min"] = float(masked.min()) if masked.size else 0.0
+        stats[f"{prefix}/max"] = float(masked.max()) if masked.size else 0.0
+    return stats

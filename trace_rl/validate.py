@@ -1,0 +1,76 @@
+"""Dimension validation: every channel checked against its branch before anything is aggregated or written.
+
+Rules (each failure names the env, trace id, branch index, algorithm id and what is wrong):
+  - the channel's branch exists; the loss is one the trainer knows (`rl`, `ce`);
+  - values (float) and mask (bool) have exactly the branch's token count; values are finite in float32;
+  - mask is never true at position 0 (the first token has no logprob: nothing precedes it);
+  - an `rl` channel masks only tokens the actor sampled, of a trainable trace.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trace_rl.algorithms.base import LOSSES, Channel
+from trace_rl.trace import Branch, Trace
+
+
+class DimensionError(ValueError):
+    """A channel that does not fit its branch."""
+
+
+def validate_channels(traces: list[Trace], channels: list[Channel], *, source: str | None = None) -> None:
+    """Raise DimensionError on the first channel breaking a rule; `source` (e.g. a remote server's URL)
+    prefixes the message so replies from elsewhere are named."""
+    branches = {(trace.id, branch.index): (trace, branch) for trace in traces for branch in trace.branches}
+    envs = {trace.id: trace.env for trace in traces}
+
+    def fail(channel: Channel, what: str) -> DimensionError:
+        where = (
+            f"env {envs.get(channel.trace_id, '?')!r} trace {channel.trace_id!r} branch {channel.branch_index} "
+            f"algorithm {channel.algorithm_id!r}"
+        )
+        return DimensionError(f"{source}: {where}: {what}" if source else f"{where}: {what}")
+
+    located: list[tuple[Channel, Trace, Branch]] = []
+    for channel in channels:
+        found = branches.get((channel.trace_id, channel.branch_index))
+        if found is None:
+            what = "no such trace" if channel.trace_id not in envs else "the trace has no such branch"
+            raise fail(channel, what)
+        trace, branch = found
+        check_shape(channel, trace, branch, fail)
+        located.append((channel, trace, branch))
+
+    if located and not np.isfinite(np.concatenate([c.values for c, _, _ in located], dtype=np.float32)).all():
+        for channel, _, _ in located:
+            values = channel.values.astype(np.float32)
+            if not np.isfinite(values).all():
+                position = int(np.flatnonzero(~np.isfinite(values))[0])
+                raise fail(channel, f"value at token {position} is {values[position]} in float32; values must be finite")
+
+    rl = [(c, b) for c, _, b in located if c.loss == "rl"]
+    if rl and (np.concatenate([c.mask for c, _ in rl]) & ~np.concatenate([b.sampled for _, b in rl])).any():
+        for channel, branch in rl:
+            unsampled = np.flatnonzero(channel.mask & ~branch.sampled)
+            if unsampled.size:
+                raise fail(channel, f"rl mask covers token {int(unsampled[0])}, which the actor did not sample; "
+                                    "rl trains only sampled tokens (use a 'ce' algorithm for observations)")
+
+
+def check_shape(channel: Channel, trace: Trace, branch: Branch, fail) -> None:
+    if channel.loss not in LOSSES:
+        raise fail(channel, f"loss {channel.loss!r} is unknown to the trainer (known: {', '.join(LOSSES)})")
+    tokens = len(branch)
+    for name, kind in (("values", "f"), ("mask", "b")):
+        array = getattr(channel, name)
+        if not isinstance(array, np.ndarray) or array.shape != (tokens,):
+            shape = array.shape if isinstance(array, np.ndarray) else type(array).__name__
+            raise fail(channel, f"{name} has shape {shape} but the branch has {tokens} tokens")
+        if array.dtype.kind != kind:
+            expected = "floating point" if kind == "f" else "bool"
+            raise fail(channel, f"{name} has dtype {array.dtype}; expected {expected}")
+    if tokens and channel.mask[0]:
+        raise fail(channel, "mask is true at token 0, which has no logprob (nothing precedes it)")
+    if channel.loss == "rl" and not trace.trainable and channel.mask.any():
+        raise fail(channel, "rl channel masks tokens of an untrainable trace (trainable = false)")
