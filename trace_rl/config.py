@@ -47,6 +47,7 @@ class InferenceConfig(Strict):
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
     request_timeout_s: float = Field(120.0, gt=0)
     max_retries: int = Field(3, ge=0, description="retries of a retryable rollout error, with backoff")
+    retry_backoff_s: float = Field(1.0, ge=0, description="backoff before the first retry; doubles each retry")
 
 
 class SamplingConfig(Strict):

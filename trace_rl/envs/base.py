@@ -1,0 +1,174 @@
+"""The environment API: examples, the sampler a rollout uses, traces, and the registry.
+
+An environment yields examples deterministically from a seed (no downloads) and runs one
+rollout of one example with a `Sampler`, returning one scored `Trace` per agent (`reward`,
+named `rewards`, `metrics`, `info` such as the `answer`). The rollout loop fills in trace and
+group ids and the policy version. Environments are registered by id (`@register_env`) or
+loaded from an import path `package.module:ClassName`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from trace_rl.config import SamplingConfig
+from trace_rl.errors import RetryableError
+from trace_rl.models import Generation, ModelRuntime
+from trace_rl.render import Conversation, Renderer
+from trace_rl.trace import Message, Trace
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A stable 31-bit seed from any parts (the same parts give the same seed in every process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class EnvError(ValueError):
+    """A bad environment id or args, or a rollout that cannot go on (not retried)."""
+
+
+class Sampler:
+    """What a rollout samples with: the actor runtime, the env's sampling settings and the rollout's seed.
+
+    Each conversation (one per agent) and each of its turns gets its own seed derived from `seed`, so a
+    rollout samples the same tokens whenever it runs with the same seed.
+    """
+
+    def __init__(self, runtime: ModelRuntime, sampling: SamplingConfig, seed: int, timeout_s: float | None = None):
+        self.runtime = runtime
+        self.sampling = sampling
+        self.seed = seed
+        self.timeout_s = timeout_s
+
+    def conversation(
+        self, messages: Sequence[Message] = (), *, tools: list[dict[str, Any]] | None = None, agent: int = 0
+    ) -> Conversation:
+        seed = derive_seed(self.seed, agent)
+
+        async def generate(prompt_ids: list[int], turn: int) -> Generation:
+            return await self.generate(prompt_ids, seed=derive_seed(seed, turn))
+
+        renderer = Renderer(self.runtime.tokenizer, tools)
+        return Conversation(renderer, generate, temperature=self.sampling.temperature, messages=messages)
+
+    async def generate(self, prompt_ids: list[int], *, seed: int) -> Generation:
+        room = self.runtime.config.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise EnvError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len "
+                f"{self.runtime.config.max_model_len}; raise inference.max_model_len or shorten the episode"
+            )
+        request = self.runtime.generate(
+            prompt_ids, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            max_tokens=min(self.sampling.max_completion_tokens, room), seed=seed,
+        )
+        try:
+            return await asyncio.wait_for(request, self.timeout_s)
+        except TimeoutError as exc:
+            raise RetryableError(f"sampler timed out after {self.timeout_s}s") from exc
+
+
+class NoArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Environment:
+    """Base class. Subclasses set `id`, optionally `Args` (a pydantic model of `[env].args`), and
+    implement `make_example` (or `examples`) and `rollout`."""
+
+    id: ClassVar[str] = ""
+    Args: ClassVar[type[BaseModel]] = NoArgs
+
+    def __init__(self, args: Mapping[str, Any] | None = None):
+        self.args = validate_args(type(self), dict(args or {}))
+
+    def make_example(self, rng: random.Random) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def examples(self, seed: int, count: int) -> list[Example]:
+        """`count` examples, the same for the same seed."""
+        return [
+            Example(id=f"{seed:x}-{i}", data=self.make_example(random.Random(derive_seed(seed, i))))
+            for i in range(count)
+        ]
+
+    async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
+        raise NotImplementedError
+
+    def trace(
+        self, example: Example, conversation: Conversation, *, agent: str = "policy-agent", trainable: bool = True,
+        reward: float = 0.0, rewards: Mapping[str, float] | None = None, metrics: Mapping[str, float] | None = None,
+        info: Mapping[str, Any] | None = None,
+    ) -> Trace:
+        """A scored trace of one agent's conversation (ids are filled in by the rollout loop)."""
+        return Trace(
+            id="", env=self.id, example_id=example.id, group_id="", agent=agent, trainable=trainable,
+            branches=conversation.branches, messages=conversation.messages, reward=reward,
+            rewards=dict(rewards or {}), metrics={"turns": conversation.turns, **(metrics or {})}, info=dict(info or {}),
+        )
+
+
+def validate_args(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
+    try:
+        return cls.Args(**args)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(cls.Args.model_fields) or "none"
+                problems.append(f"args.{where}: unknown key (known keys: {known})")
+            else:
+                problems.append(f"args.{where}: {err['msg'].removeprefix('Value error, ')}")
+        raise EnvError(f"env {cls.id!r}: " + "; ".join(problems)) from None
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {}
+
+
+def register_env(cls: type[Environment]) -> type[Environment]:
+    """Class decorator adding an environment to the registry under its `id`."""
+    if not cls.id:
+        raise EnvError(f"{cls.__name__} needs a class attribute `id` to be registered")
+    if ENVIRONMENTS.get(cls.id, cls) is not cls:
+        raise EnvError(f"environment id {cls.id!r} is already registered")
+    ENVIRONMENTS[cls.id] = cls
+    return cls
+
+
+def resolve_env_class(env_id: str) -> type[Environment]:
+    """The class for a registered id or a `package.module:ClassName` import path."""
+    import trace_rl.envs.builtins  # noqa: F401  (registers the builtins)
+
+    if env_id in ENVIRONMENTS:
+        return ENVIRONMENTS[env_id]
+    if ":" not in env_id:
+        known = ", ".join(sorted(ENVIRONMENTS))
+        raise EnvError(f"unknown env id {env_id!r}; use a builtin ({known}) or an import path 'package.module:Class'")
+    module_name, _, attr = env_id.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EnvError(f"env {env_id!r}: cannot import it ({exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise EnvError(f"env {env_id!r} is not a trace_rl Environment subclass")
+    return cls
+
+
+def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
+    return resolve_env_class(env_id)(args)

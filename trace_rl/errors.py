@@ -1,0 +1,10 @@
+"""Errors shared by samplers, environments and the rollout loop."""
+
+from __future__ import annotations
+
+
+class RetryableError(RuntimeError):
+    """A transient failure (sampler timeout, server 5xx, dropped connection): the rollout loop retries
+    the whole rollout with exponential backoff up to `inference.max_retries` times. Runtimes and
+    environments raise it (or `TimeoutError`) for failures that a second attempt may not hit; any other
+    exception marks the trace with `error`."""

@@ -1,0 +1,142 @@
+"""The rollout loop: every env's examples x group_size rollouts with the actor, as traces.
+
+Seeds are derived from (config.seed, step, env index, example index, rollout index), so a
+step samples the same traces whenever it runs with the same weights. A retryable error
+(`RetryableError`, `TimeoutError`, a transient HTTP failure) reruns the rollout after an
+exponential backoff, up to `inference.max_retries` times; any other error, or retries run
+out, gives one trace marked with `error` (kept in traces.parquet, never trained). Groups whose
+rollouts all failed are listed in the summary and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import httpx
+import numpy as np
+from pydantic import BaseModel
+
+from trace_rl.config import Config
+from trace_rl.envs.base import Environment, Example, Sampler, derive_seed, load_env
+from trace_rl.errors import RetryableError
+from trace_rl.models import ModelRuntime
+from trace_rl.trace import Trace, group_traces
+
+logger = logging.getLogger(__name__)
+MAX_LISTED_ERRORS = 20
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, (RetryableError, TimeoutError, httpx.TimeoutException, httpx.TransportError)):
+        return True
+    return isinstance(exc, httpx.HTTPStatusError) and (
+        exc.response.status_code >= 500 or exc.response.status_code == 429
+    )
+
+
+class EnvSummary(BaseModel):
+    traces: int = 0
+    errors: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    failed_groups: list[str] = []
+
+
+class RolloutSummary(BaseModel):
+    envs: dict[str, EnvSummary] = {}
+    retries: int = 0
+    errors: list[str] = []  # the first distinct error messages
+
+    def metrics(self) -> dict[str, float]:
+        """Flat numbers for metrics.json: `rollouts/<env>/<name>` and `rollouts/retries`."""
+        out: dict[str, float] = {"rollouts/retries": float(self.retries)}
+        for env, summary in self.envs.items():
+            out.update({f"rollouts/{env}/{name}": float(getattr(summary, name))
+                        for name in ("traces", "errors", "reward_mean", "reward_std")})
+            out[f"rollouts/{env}/failed_groups"] = float(len(summary.failed_groups))
+        return out
+
+
+async def run_rollout(
+    env: Environment, example: Example, sampler: Sampler, *, max_retries: int, backoff_s: float
+) -> tuple[list[Trace], int]:
+    """The rollout's traces and how many retries it took; on failure one trace carrying the error."""
+    for attempt in range(max_retries + 1):
+        try:
+            traces = await env.rollout(example, sampler)
+            if not traces or not all(isinstance(t, Trace) for t in traces):
+                raise TypeError(f"{type(env).__name__}.rollout must return a non-empty list of Trace")
+            return traces, attempt
+        except Exception as exc:  # noqa: BLE001  (every failure becomes a trace error or a retry)
+            if is_retryable(exc) and attempt < max_retries:
+                await asyncio.sleep(backoff_s * 2**attempt)
+                continue
+            reason = f"{type(exc).__name__}: {exc}"
+            if is_retryable(exc):
+                reason = f"gave up after {attempt + 1} attempts: {reason}"
+            failed = Trace(id="", env=env.id, example_id=example.id, group_id="", error=reason)
+            return [failed], attempt
+    raise AssertionError("unreachable")
+
+
+async def sample_rollouts(
+    config: Config, runtimes: Mapping[str, ModelRuntime], step: int
+) -> tuple[list[Trace], RolloutSummary]:
+    runtime = runtimes[config.actor]
+    policy_version = int(getattr(runtime, "policy_version", 0))
+    limit = asyncio.Semaphore(config.inference.max_concurrent)
+    names = env_names(config)
+
+    async def one(env: Environment, env_index: int, example_index: int, example: Example, rollout: int):
+        sampling = config.sampling_for(config.env[env_index])
+        seed = derive_seed(config.seed, step, env_index, example_index, rollout)
+        sampler = Sampler(runtime, sampling, seed, timeout_s=config.inference.request_timeout_s)
+        async with limit:
+            traces, retries = await run_rollout(
+                env, example, sampler,
+                max_retries=config.inference.max_retries, backoff_s=config.inference.retry_backoff_s,
+            )
+        group_id = f"step{step}-{names[env_index]}-{example.id}"
+        for trace in traces:
+            trace.env = config.env[env_index].id
+            trace.group_id = group_id
+            trace.id = f"{group_id}-r{rollout}-{trace.agent}"
+            trace.policy_version = policy_version
+        return env_index, traces, retries
+
+    jobs = []
+    for env_index, env_config in enumerate(config.env):
+        env = load_env(env_config.id, env_config.args)
+        examples = env.examples(derive_seed(config.seed, step, env_index), env_config.batch_size)
+        for example_index, example in enumerate(examples):
+            for rollout in range(env_config.group_size):
+                jobs.append(one(env, env_index, example_index, example, rollout))
+    results = await asyncio.gather(*jobs)
+
+    traces = [trace for _, env_traces, _ in results for trace in env_traces]
+    summary = RolloutSummary(retries=sum(retries for *_, retries in results))
+    for env_index, name in enumerate(names):
+        summary.envs[name] = summarize([t for i, ts, _ in results if i == env_index for t in ts])
+        for group_id in summary.envs[name].failed_groups:
+            logger.warning("step %d: every rollout of group %s failed", step, group_id)
+    summary.errors = list(dict.fromkeys(t.error for t in traces if t.error))[:MAX_LISTED_ERRORS]
+    return traces, summary
+
+
+def env_names(config: Config) -> list[str]:
+    """Env ids, with `#<index>` appended where the same id appears more than once."""
+    ids = [env.id for env in config.env]
+    return [env_id if ids.count(env_id) == 1 else f"{env_id}#{i}" for i, env_id in enumerate(ids)]
+
+
+def summarize(traces: list[Trace]) -> EnvSummary:
+    rewards = np.array([t.reward for t in traces if t.error is None], dtype=np.float64)
+    failed = [gid for gid, group in group_traces(traces).items() if all(t.error for t in group)]
+    return EnvSummary(
+        traces=len(traces), errors=sum(t.error is not None for t in traces),
+        reward_mean=float(rewards.mean()) if rewards.size else 0.0,
+        reward_std=float(rewards.std()) if rewards.size else 0.0,
+        failed_groups=failed,
+    )
