@@ -129,7 +129,9 @@ class RunStorage:
             for filename in sorted(files):
                 local = os.path.join(root, filename)
                 rel = os.path.relpath(local, local_dir).replace(os.sep, "/")
-                self.fs.put_file(local, f"{directory}/{rel}")
+                target = f"{directory}/{rel}"
+                self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.put_file(local, target)
         self.mark_stable(directory)
 
     def download_dir(self, directory: str, local_dir: str) -> None:
