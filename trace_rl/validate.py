@@ -42,12 +42,14 @@ def validate_channels(traces: list[Trace], channels: list[Channel], *, source: s
         check_shape(channel, trace, branch, fail)
         located.append((channel, trace, branch))
 
-    if located and not np.isfinite(np.concatenate([c.values for c, _, _ in located], dtype=np.float32)).all():
-        for channel, _, _ in located:
-            values = channel.values.astype(np.float32)
-            if not np.isfinite(values).all():
-                position = int(np.flatnonzero(~np.isfinite(values))[0])
-                raise fail(channel, f"value at token {position} is {values[position]} in float32; values must be finite")
+    with np.errstate(over="ignore"):  # float64 values beyond float32's range become inf: reported below
+        if located and not np.isfinite(np.concatenate([c.values for c, _, _ in located], dtype=np.float32)).all():
+            for channel, _, _ in located:
+                values = channel.values.astype(np.float32)
+                if not np.isfinite(values).all():
+                    position = int(np.flatnonzero(~np.isfinite(values))[0])
+                    raise fail(channel, f"value at token {position} is {channel.values[position]} "
+                                        f"({values[position]} in float32); values must be finite in float32")
 
     rl = [(c, b) for c, _, b in located if c.loss == "rl"]
     if rl and (np.concatenate([c.mask for c, _ in rl]) & ~np.concatenate([b.sampled for _, b in rl])).any():
