@@ -1,8 +1,10 @@
 """Tool calls in the tiny model's text format: `<tool_call>name {json arguments}</tool_call>`.
 
-The assistant message keeps the text before the first call as its content and the well-formed
-calls as `tool_calls`; a malformed call (unclosed, no name, arguments not a JSON object) becomes
-an error for the environment to answer with an observation instead of crashing the rollout.
+A well-formed reply becomes an assistant message with the text before the first call as its
+content and the calls as `tool_calls`. A reply with any malformed call (unclosed, no name,
+arguments not a JSON object, text after the calls) runs none of its calls: it stays plain
+content, so re-rendering reproduces it exactly, and each problem becomes an error for the
+environment to answer with an observation instead of crashing the rollout.
 """
 
 from __future__ import annotations
@@ -50,5 +52,9 @@ def parse_tool_calls(text: str, call_prefix: str) -> ParsedReply:
         calls.append(ToolCall(id=f"{call_prefix}-{i}", name=name, arguments=arguments))
     if text.count(OPEN) > text.count(CLOSE):
         errors.append(ToolCallError(None, f"unclosed {OPEN}: close every call with {CLOSE}"))
+    if calls and text.rsplit(CLOSE, 1)[-1].strip():
+        errors.append(ToolCallError(None, f"text after the last {CLOSE}: end the reply with the tool calls"))
+    if errors:
+        return ParsedReply(Message(role="assistant", content=text), errors)
     content = text.split(OPEN, 1)[0]
     return ParsedReply(Message(role="assistant", content=content, tool_calls=calls or None), errors)
