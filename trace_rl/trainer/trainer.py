@@ -218,10 +218,22 @@ class Trainer:
         self.step = state["step"]
         return self.step, checkpoint.load_part(self.storage, step, "extra_state")
 
+    def _tied_aliases(self) -> list[str]:
+        """Names of parameters that are another one (tied embeddings); the full state dict has unshared copies."""
+        seen: set[int] = set()
+        aliases = []
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                aliases.append(name)
+            seen.add(id(param))
+        return aliases
+
     # -- weights for the sampler ----------------------------------------------------------
     def export_weights(self, step: int) -> str:
         """Write `weights/<step>/` in Hugging Face format (+ STABLE), loadable by transformers and vLLM as-is."""
         state = get_model_state_dict(self.model, options=FULL_STATE)
+        for alias in self._tied_aliases():
+            state.pop(alias, None)
         directory = self.storage.path(WEIGHTS, step_name(step))
         if self.rank == 0:
             with tempfile.TemporaryDirectory(prefix="trace-rl-weights-") as staging:
