@@ -22,13 +22,12 @@ def combine(channels: list[Channel], tokens: int) -> tuple[np.ndarray, np.ndarra
     """values = sum_c values_c * mask_c (0 outside every mask), mask = OR_c mask_c."""
     if not channels:
         return np.zeros(tokens, np.float32), np.zeros(tokens, np.bool_)
-    first = channels[0]
-    values = np.where(first.mask, first.values, np.float32(0)).astype(np.float32, copy=False)
-    mask = first.mask.copy()
+    values = channels[0].values * channels[0].mask
+    mask = channels[0].mask
     for channel in channels[1:]:
-        values += np.where(channel.mask, channel.values, np.float32(0)).astype(np.float32, copy=False)
-        mask |= channel.mask
-    return values, mask
+        values += channel.values * channel.mask
+        mask = mask | channel.mask
+    return values.astype(np.float32, copy=False), mask
 
 
 def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSample]:
@@ -43,7 +42,7 @@ def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSamp
             if per_loss is None:
                 continue
             combined = {loss: combine(per_loss[loss], len(branch)) for loss in LOSSES}
-            if any(mask.any() for _, mask in combined.values()):
+            if any(combined[loss][1].any() for loss in LOSSES):
                 samples.append(to_sample(trace, branch, combined))
     return samples
 

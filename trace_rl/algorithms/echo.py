@@ -77,18 +77,17 @@ def tool_name(message: Message, call_names: dict[str, str]) -> str | None:
     return message.name or call_names.get(message.tool_call_id or "")
 
 
-def observation_weights(branch: Branch, message_alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def observation_weights(branch: Branch, selected: np.ndarray, alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ECHO: L = -sum_{t in O} alpha_role(t) * log pi_theta(o_t | o_<t).
 
-    O: content tokens the actor did not sample, of messages whose role is enabled
-    (`message_alpha` is NaN for the others; its last slot serves message_index -1),
-    never token 0. Returns (values = alpha on O and 0 elsewhere, mask = O).
+    O: content tokens of the selected messages (observations of enabled roles; `selected`
+    and `alpha` have one entry per message plus a last one for message_index -1), never
+    token 0. Returns (values = alpha on O and 0 elsewhere, mask = O).
     """
-    alpha = message_alpha[branch.message_index]
-    mask = branch.is_content & ~branch.sampled & ~np.isnan(alpha)
+    mask = selected.take(branch.message_index) & branch.is_content
     if len(mask):
         mask[0] = False
-    return np.where(mask, alpha, np.float32(0)), mask
+    return alpha.take(branch.message_index) * mask, mask
 
 
 @register("echo")
@@ -121,22 +120,24 @@ class Echo(Algorithm):
             return [str(exc)]
         return []
 
-    def message_alpha(self, trace: Trace) -> np.ndarray:
-        """Alpha per message (NaN: not supervised), plus a NaN slot for message_index -1."""
-        sampled = {int(i) for b in trace.branches for i in np.unique(b.message_index[b.sampled]) if i >= 0}
-        first_sampled = min(sampled, default=len(trace.messages))
+    def observations(self, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+        """Per message (plus a slot for message_index -1): is it supervised, and with which alpha."""
+        count = len(trace.messages)
+        flags = np.zeros(count + 1, np.bool_)
+        for branch in trace.branches:
+            flags[branch.message_index[branch.sampled]] = True
+        sampled = flags[:count].tolist()
+        first_sampled = 0 if self.options.include_prompt else sampled.index(True) if True in sampled else count
         tool_names = self.options.tool.tool_names if self.options.tool is not None else None
         call_names = {c.id: c.name for m in trace.messages for c in m.tool_calls or ()} if tool_names else {}
-        alphas = np.full(len(trace.messages) + 1, np.nan, np.float32)
+        selected, alpha = [False] * (count + 1), [0.0] * (count + 1)
         for index, message in enumerate(trace.messages):
-            if message.role not in self.role_alpha or index in sampled:
-                continue
-            if index < first_sampled and not self.options.include_prompt:
+            if message.role not in self.role_alpha or sampled[index] or index < first_sampled:
                 continue
             if message.role == "tool" and tool_names and tool_name(message, call_names) not in tool_names:
                 continue
-            alphas[index] = self.role_alpha[message.role]
-        return alphas
+            selected[index], alpha[index] = True, self.role_alpha[message.role]
+        return np.array(selected), np.array(alpha, np.float32)
 
     def narrow(self, trace: Trace, masks: list[np.ndarray]) -> list[np.ndarray]:
         path = self.options.filter.import_path
@@ -162,17 +163,17 @@ class Echo(Algorithm):
         for trace in ok_traces(traces):
             if not trace.branches:
                 continue
-            alphas = self.message_alpha(trace)
+            selected, alpha = self.observations(trace)
             values, masks = [], []
             for branch in trace.branches:
-                branch_values, mask = observation_weights(branch, alphas)
+                branch_values, mask = observation_weights(branch, selected, alpha)
                 if len(trace.branches) > 1:
-                    alphas[np.unique(branch.message_index[mask])] = np.nan
+                    selected[branch.message_index[mask]] = False
                 values.append(branch_values)
                 masks.append(mask)
             if self.filter is not None:
                 masks = self.narrow(trace, masks)
-                values = [np.where(mask, v, np.float32(0)) for v, mask in zip(values, masks)]
+                values = [v * mask for v, mask in zip(values, masks)]
             for branch, branch_values, mask in zip(trace.branches, values, masks):
                 if mask.any():
                     branch.advantages, branch.mask = branch_values, mask

@@ -27,4 +27,4 @@ def set_on_sampled(branch: Branch, values: float | np.ndarray) -> None:
     """Annotate the sampled tokens with `values` (a scalar or one value per token); 0 elsewhere."""
     mask = sampled_mask(branch)
     branch.mask = mask
-    branch.advantages = np.where(mask, np.asarray(values, np.float32), np.float32(0))
+    branch.advantages = mask * np.asarray(values, np.float32)
