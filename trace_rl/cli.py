@@ -33,14 +33,46 @@ def cmd_train(args) -> int:
 
         Console().print(Syntax(config_to_toml(config), "toml", theme="ansi_dark", background_color="default"))
         return 0
+    from trace_rl.prefect_server import ensure_api_url
+
+    api_url = ensure_api_url(config.prefect.api_url)
+    print(f"Prefect API: {api_url} (UI: {api_url.removesuffix('/api')})", file=sys.stderr)
     from flows.train import run_training
 
     run_training(config, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
+def cmd_server(args) -> int:
+    from trace_rl import prefect_server
+
+    if args.action == "start":
+        record = prefect_server.start()
+        print(f"Prefect server running (pid {record['pid']}): UI {record['ui_url']}  API {record['api_url']}")
+    elif args.action == "stop":
+        print("stopped" if prefect_server.stop() else "no embedded server was running")
+    else:
+        record = prefect_server.status()
+        print(f"running (pid {record['pid']}): UI {record['ui_url']}" if record else "not running")
+        return 0 if record else 1
+    return 0
+
+
 def cmd_config_schema(args) -> int:
     print(json.dumps(Config.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_env_server(args) -> int:
+    from trace_rl.remote.server import EnvServerError, Limits, serve
+
+    limits = Limits(max_request_bytes=int(args.max_request_mb * 2**20), request_timeout_s=args.request_timeout_s,
+                    max_concurrent=args.max_concurrent)
+    try:
+        serve(args.modules, args.host, args.port, args.token_file, limits)
+    except EnvServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -56,8 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--overwrite", action="store_true", help="wipe an existing run directory first")
     train.set_defaults(func=cmd_train)
 
+    server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
+    server.add_argument("action", choices=["start", "stop", "status"])
+    server.set_defaults(func=cmd_server)
+
     schema = sub.add_parser("config-schema", help="print the JSON schema of the config")
     schema.set_defaults(func=cmd_config_schema)
+
+    server = sub.add_parser("env-server", help="serve the envs and algorithms of your modules (docs/remote.md)")
+    server.add_argument("--module", dest="modules", action="append", required=True, metavar="MODULE",
+                        help="module whose import registers envs/algorithms (repeatable)")
+    server.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback needs --token-file")
+    server.add_argument("--port", type=int, default=8765)
+    server.add_argument("--token-file", help="file holding the bearer token every request must send")
+    server.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (413 beyond)")
+    server.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request time limit (504 beyond)")
+    server.add_argument("--max-concurrent", type=int, default=8, help="requests run at once (503 beyond)")
+    server.set_defaults(func=cmd_env_server)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Prefect flows: a training run (`train`), one step (`train_step`) and offline replay (`replay`)."""

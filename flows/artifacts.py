@@ -1,0 +1,81 @@
+"""What a run shows in the Prefect UI: a metrics table, a progress bar and a reward curve per run."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, \
+    update_progress_artifact
+
+from trace_rl.config import Config
+from trace_rl.storage import RunStorage, step_name
+
+TABLE_COLUMNS = ("reward_mean", "reward_std", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
+                 "train/loss/ce", "train/mismatch_kl", "train/grad_norm", "time/step")
+
+
+def artifact_key(config: Config, what: str) -> str:
+    """Stable keys (lowercase, digits, dashes) so the UI keeps each artifact's history across steps."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{config.name}-{what}".lower()).strip("-")
+
+
+def reward_mean(metrics: dict) -> float:
+    values = [v for k, v in metrics.items() if k.startswith("rollouts/") and k.endswith("/reward_mean")]
+    return sum(values) / len(values) if values else 0.0
+
+
+def history(storage: RunStorage, upto: int) -> list[dict]:
+    rows = []
+    for step in range(1, upto + 1):
+        path = storage.step_path(step, "metrics.json")
+        if storage.exists(path):
+            rows.append(storage.read_json(path))
+    return rows
+
+
+def reward_plot(rows: list[dict]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3), dpi=100)
+    ax.plot([r["step"] for r in rows], [reward_mean(r) for r in rows], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out.getvalue()
+
+
+def publish_step(config: Config, step: int, metrics: dict) -> None:
+    storage = RunStorage(config.storage, config.name, config.storage_options)
+    rows = history(storage, step)
+    table = [{"step": r["step"], "reward_mean": round(reward_mean(r), 4),
+              **{c: round(r[c], 4) for c in TABLE_COLUMNS[1:] if c in r}} for r in rows]
+    create_table_artifact(key=artifact_key(config, "metrics"), table=table,
+                          description=f"{config.name}: metrics per step")
+    png = reward_plot(rows)
+    plot_path = storage.path("plots", "reward.png")
+    storage.write_atomic(plot_path, png)
+    encoded = base64.b64encode(png).decode()
+    create_markdown_artifact(
+        key=artifact_key(config, "reward-curve"),
+        markdown=f"### {config.name}: mean reward by step\n\n![reward](data:image/png;base64,{encoded})\n\n"
+                 f"Stored at `{storage.url_of('plots', 'reward.png')}`; step {step_name(step)}.",
+        description=f"{config.name}: reward curve",
+    )
+
+
+def start_progress(config: Config, done: int) -> str:
+    return str(create_progress_artifact(progress=100.0 * done / config.steps, key=artifact_key(config, "progress"),
+                                        description=f"{config.name}: steps done of {config.steps}"))
+
+
+def update_progress(artifact_id: str, config: Config, done: int) -> None:
+    update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / config.steps)

@@ -1,0 +1,60 @@
+"""`train`: a training run, its steps as `train_step` subflows, so the model stays loaded between steps."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from rich.console import Console
+from rich.progress import Progress, TextColumn
+from rich.table import Table
+
+from flows.artifacts import reward_mean, start_progress, update_progress
+from flows.step import train_step
+from trace_rl.config import Config
+from trace_rl.run import prepare_run
+
+
+@flow(name="train", flow_run_name="{config.name}", log_prints=True)
+def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -> list[dict]:
+    """Run `config.steps` steps, resuming after the latest STABLE checkpoint.
+
+    A retry of this flow run (the UI's Retry, `prefect flow-run retry`) resumes, whatever `mode` was.
+    """
+    logger = get_run_logger()
+    retrying = (flow_run.get_run_count() or 1) > 1
+    _, first = prepare_run(config, "resume" if retrying else mode)
+    if first > 1:
+        logger.info("continuing %s at step %d of %d", config.name, first, config.steps)
+    progress = start_progress(config, first - 1)
+    console = Console(stderr=True)
+    rows = []
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as bar:
+        task = bar.add_task(f"{config.name}", total=config.steps, completed=first - 1, last="")
+        for step in range(first, config.steps + 1):
+            started = time.perf_counter()
+            result = train_step(config, step)
+            metrics = result["metrics"]
+            row = (step, reward_mean(metrics), metrics.get("train/loss/rl", 0.0), time.perf_counter() - started,
+                   ", ".join(result["reused"]))
+            rows.append(row)
+            bar.update(task, advance=1, last=f"step {step}: reward {row[1]:.3f}")
+            update_progress(progress, config, step)
+    console.print(reward_table(config, rows))
+    return [{"step": r[0], "reward_mean": r[1]} for r in rows]
+
+
+def reward_table(config: Config, rows: list[tuple]) -> Table:
+    table = Table(title=f"{config.name}: reward per step")
+    for column in ("step", "mean reward", "rl loss", "seconds", "reused stages"):
+        table.add_column(column, justify="right" if column != "reused stages" else "left")
+    for step, reward, loss, seconds, reused in rows:
+        table.add_row(str(step), f"{reward:.3f}", f"{loss:+.4f}", f"{seconds:.1f}", reused)
+    return table
+
+
+def run_training(config: Config, resume: bool = False, overwrite: bool = False) -> list[dict]:
+    """The CLI's entry: `trace-rl train CONFIG [--resume | --overwrite]`."""
+    return train(config, mode="resume" if resume else "overwrite" if overwrite else "new")

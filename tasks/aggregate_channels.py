@@ -1,0 +1,11 @@
+from prefect import task
+
+from trace_rl import step as stages
+from trace_rl.config import Config
+from trace_rl.session import session_for
+
+
+@task(name="aggregate_channels")
+def aggregate_channels(config: Config, step: int, channel_paths: list[str]) -> dict:
+    """One training sample per branch, same-loss channels summed."""
+    return stages.aggregate_channels(session_for(config), step, channel_paths)

@@ -1,0 +1,13 @@
+import asyncio
+
+from prefect import task
+
+from trace_rl import step as stages
+from trace_rl.config import Config
+from trace_rl.session import session_for
+
+
+@task(name="broadcast_weights")
+def broadcast_weights(config: Config, step: int) -> dict:
+    """The actor samples with weights/<step> from the next step on."""
+    return asyncio.run(stages.broadcast_weights(session_for(config), step))

@@ -1,0 +1,60 @@
+"""Resumable stages: Prefect's persisted results with a cache key per (run, step, stage, config).
+
+The key does not involve the flow run id, so Retry in the UI, `prefect flow-run retry` and
+`trace-rl train --resume` in a new process all find the stages a crashed step finished.
+Results and cache records live in the run's own storage under `prefect/`, so they go
+wherever the run goes (and `--overwrite` wipes them with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+
+from trace_rl.config import Config
+from trace_rl.session import config_hash
+from trace_rl.storage import RunStorage, step_name
+
+
+class StageCache(CachePolicy):
+    """Cache key `<run>/<step>/<stage>[/<algorithm job>]/<config hash>`."""
+
+    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str:
+        config: Config = inputs["config"]
+        job = inputs.get("job")
+        parts = [config.name, step_name(inputs["step"]), task_ctx.task.name, job.key if job else "", config_hash(config)]
+        return "-".join(p for p in parts if p)
+
+
+def run_filesystem(config: Config, folder: str):
+    storage = RunStorage(config.storage, config.name, config.storage_options)
+    url = storage.url_of("prefect", folder)
+    if storage.protocol in ("file", "local"):
+        return LocalFileSystem(basepath=url)
+    return RemoteFileSystem(basepath=url, settings=config.storage_options)
+
+
+_SAVED_BLOCKS: dict[str, str] = {}
+
+
+def saved_result_storage(config: Config) -> str:
+    """The run's result storage as a block saved on the Prefect server (Prefect requires that), by slug."""
+    block = run_filesystem(config, "results")
+    name = "trace-rl-" + hashlib.sha256(block.basepath.encode()).hexdigest()[:16]
+    if name not in _SAVED_BLOCKS:
+        block.save(name, overwrite=True)
+        _SAVED_BLOCKS[name] = f"{block.get_block_type_slug()}/{name}"
+    return _SAVED_BLOCKS[name]
+
+
+def stage_options(config: Config) -> dict[str, Any]:
+    """`Task.with_options` keyword arguments that make a stage resumable for this run."""
+    return {
+        "cache_policy": StageCache().configure(key_storage=run_filesystem(config, "cache")),
+        "result_storage": saved_result_storage(config),
+        "result_serializer": "json",
+        "persist_result": True,
+    }

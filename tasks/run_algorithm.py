@@ -1,0 +1,13 @@
+import asyncio
+
+from prefect import task
+
+from trace_rl import step as stages
+from trace_rl.config import Config
+from trace_rl.session import session_for
+
+
+@task(name="run_algorithm", task_run_name="{job.config.id}")
+def run_algorithm(config: Config, step: int, job: stages.AlgorithmJob) -> dict:
+    """One algorithm (builtin in-process, or env-owned on its env server) over its envs' traces."""
+    return asyncio.run(stages.run_algorithm(session_for(config), step, job))

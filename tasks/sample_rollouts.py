@@ -1,0 +1,13 @@
+import asyncio
+
+from prefect import task
+
+from trace_rl import step as stages
+from trace_rl.config import Config
+from trace_rl.session import session_for
+
+
+@task(name="sample_rollouts")
+def sample_rollouts(config: Config, step: int) -> dict:
+    """Every env's groups with the actor, written to steps/<step>/traces.parquet."""
+    return asyncio.run(stages.sample_rollouts(session_for(config), step))

@@ -1,0 +1,11 @@
+from prefect import task
+
+from trace_rl import step as stages
+from trace_rl.config import Config
+from trace_rl.session import session_for
+
+
+@task(name="validate_dimensions")
+def validate_dimensions(config: Config, step: int, channel_paths: list[str]) -> dict:
+    """Every channel checked against its branch; a failure names env, trace, branch and algorithm."""
+    return stages.validate_dimensions(session_for(config), step, channel_paths)

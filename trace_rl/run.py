@@ -1,0 +1,42 @@
+"""Starting, resuming and overwriting a run directory: data is never silently replaced."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from trace_rl.config import Config, config_to_toml
+from trace_rl.session import config_hash
+from trace_rl.storage import RunStorage
+
+logger = logging.getLogger(__name__)
+Mode = Literal["new", "resume", "overwrite"]
+
+
+class RunExistsError(RuntimeError):
+    pass
+
+
+def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
+    """Check and set up the run directory; return its storage and the first step to run (1-based)."""
+    storage = RunStorage(config.storage, config.name, config.storage_options)
+    config_path = storage.path("config.toml")
+    exists = storage.exists(storage.root) and bool(storage.fs.ls(storage.root, detail=False))
+    if exists and mode == "new":
+        raise RunExistsError(
+            f"run directory {storage.url} already exists; pass --resume to continue it or --overwrite to wipe it "
+            "first (or choose another name)"
+        )
+    if exists and mode == "overwrite":
+        logger.warning("--overwrite: deleting the existing run directory %s", storage.url)
+        storage.remove(storage.root)
+    if mode == "resume" and storage.exists(config_path):
+        previous = storage.read_bytes(config_path).decode()
+        if previous != config_to_toml(config):
+            logger.warning("resuming %s with a changed config (config hash now %s); finished stages made from the "
+                           "old config are not reused", storage.url, config_hash(config))
+    storage.write_atomic(config_path, config_to_toml(config).encode())
+    first = (storage.latest_stable("checkpoints") or 0) + 1
+    if mode == "resume":
+        logger.info("resuming %s at step %d", storage.url, first)
+    return storage, first

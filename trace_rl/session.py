@@ -1,0 +1,118 @@
+"""The per-process runtime of a run: model runtimes and the trainer, kept warm between steps.
+
+Pipeline stages ask the session for what they need at a step; whatever is missing
+(a fresh process after a crash, a retried flow run) is rebuilt from storage: the
+sampler loads the latest exported weights before step `s` samples, and the trainer
+restores the checkpoint of step `s - 1` before training step `s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from trace_rl.config import POLICY, Config
+from trace_rl.models import ModelRuntime, build_runtime, runtime_configs
+from trace_rl.storage import RunStorage
+
+
+def config_hash(config: Config) -> str:
+    """What a step's outputs depend on: the whole config except the step count and the Prefect server."""
+    data = config.model_dump(mode="json", exclude={"steps", "prefect"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class LazyRuntimes(Mapping):
+    """Runtimes by key, each built on first access (an algorithm that never asks costs nothing)."""
+
+    def __init__(self, config: Config):
+        self._configs = runtime_configs(config)
+        self._built: dict[str, ModelRuntime] = {}
+
+    def __getitem__(self, key: str) -> ModelRuntime:
+        if key not in self._built:
+            self._built[key] = build_runtime(self._configs[key])
+        return self._built[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._configs)
+
+    def __len__(self) -> int:
+        return len(self._configs)
+
+    def is_built(self, key: str) -> bool:
+        return key in self._built
+
+    @property
+    def configs(self):
+        return self._configs
+
+
+class Session:
+    def __init__(self, config: Config):
+        self.config = config
+        self.storage = RunStorage(config.storage, config.name, config.storage_options)
+        self.runtimes = LazyRuntimes(config)
+        self._trainer = None
+        self._trainer_step: int | None = None
+        self._policy_version: int | None = None
+        self.cache: dict[Any, Any] = {}
+
+    async def models_at(self, step: int) -> LazyRuntimes:
+        """The runtimes, with the policy (if built or the actor) sampling the weights that step `step` uses."""
+        if self.config.actor == POLICY or self.runtimes.is_built(POLICY):
+            await self.sync_policy(step)
+        return self.runtimes
+
+    async def sync_policy(self, step: int) -> None:
+        """Make the policy runtime run the newest exported weights from before `step` (none: the base model).
+
+        The first sync of a session always loads explicitly: an in-process engine is shared by
+        every session of the process and may hold another run's weights.
+        """
+        from trace_rl.inference.broadcast import broadcast_weights
+        from trace_rl.tiny import resolve_model_path
+
+        wanted = max((s for s in self.storage.stable_steps("weights") if s < step), default=0)
+        if self._policy_version == wanted:
+            return
+        runtime = self.runtimes[POLICY]
+        if wanted == 0:
+            await runtime.load_weights(resolve_model_path(self.config.model.name), 0)
+            runtime.policy_version = 0
+        else:
+            await broadcast_weights(runtime, self.storage, wanted)
+        self._policy_version = wanted
+
+    def trainer_at(self, step: int):
+        """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint."""
+        if self._trainer is None or self._trainer_step != step - 1:
+            from trace_rl.trainer.run import check_resumes_at
+            from trace_rl.trainer.trainer import Trainer
+
+            trainer = Trainer(self.config, self.storage)
+            restored, _ = trainer.restore()
+            check_resumes_at(restored, step)
+            if (restored or 0) != step - 1:
+                raise RuntimeError(
+                    f"step {step} trains on the checkpoint of step {step - 1}, but the latest checkpoint is "
+                    f"{restored}; resume the run instead of starting at step {step}"
+                )
+            self._trainer = trainer
+        return self._trainer
+
+    def trained(self, step: int) -> None:
+        self._trainer_step = step
+
+
+_SESSIONS: dict[tuple[str, str], Session] = {}
+
+
+def session_for(config: Config) -> Session:
+    """The process's session for this run and config (one warm sampler and trainer per process)."""
+    key = (RunStorage(config.storage, config.name, config.storage_options).url, config_hash(config))
+    if key not in _SESSIONS:
+        _SESSIONS[key] = Session(config)
+    return _SESSIONS[key]

@@ -1,0 +1,210 @@
+"""One training step as plain functions, one per pipeline stage, in the order they run.
+
+    sample_rollouts -> run_algorithm (one per algorithm) -> validate_dimensions
+    -> aggregate_channels -> write_batch -> train -> broadcast_weights
+
+Each stage reads its inputs from the run's storage and returns a small JSON-able
+summary with the URLs it wrote, so an orchestrator (the Prefect flow in flows/step.py,
+or a plain loop in bench/step.py) passes references, never tensors or trace lists.
+Steps are numbered from 1: step `s` samples with the weights of step `s - 1` (0 is the
+base model) and writes `weights/<s>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm, resolve_algorithm_class
+from trace_rl.channels import aggregate, channel_stats
+from trace_rl.config import Config
+from trace_rl.session import Session
+from trace_rl.storage import step_name
+from trace_rl.tables import read_channels, read_traces, write_batch as write_batch_table, write_channels, write_traces
+from trace_rl.trace import Trace
+from trace_rl.validate import validate_channels
+
+STAGES = ("sample_rollouts", "run_algorithm", "validate_dimensions", "aggregate_channels", "write_batch", "train",
+          "broadcast_weights")
+
+
+@dataclass(frozen=True)
+class AlgorithmJob:
+    """One algorithm task of a step: an algorithm config, the envs that list it, and where it runs."""
+
+    position: int
+    config: AlgorithmConfig
+    envs: tuple[str, ...]
+    server: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.position:02d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', self.config.id)}"
+
+
+def algorithm_jobs(config: Config) -> list[AlgorithmJob]:
+    """The step's algorithm tasks in first-listed order; one per distinct (config, server) pair."""
+    jobs: dict[tuple[str, str | None], tuple[AlgorithmConfig, list[str]]] = {}
+    for env in config.env:
+        for algo in config.algorithms_for(env):
+            server = None if resolve_algorithm_class(algo.id) is not None else env.server
+            key = (algo.model_dump_json(), server)
+            jobs.setdefault(key, (algo, []))[1].append(env.id)
+    return [
+        AlgorithmJob(position=i, config=algo, envs=tuple(dict.fromkeys(envs)), server=server)
+        for i, ((_, server), (algo, envs)) in enumerate(jobs.items())
+    ]
+
+
+def _channels_path(session: Session, step: int, job: AlgorithmJob, suffix: str) -> str:
+    return session.storage.path("steps", step_name(step), "channels", f"{job.key}.{suffix}")
+
+
+# -- stages -------------------------------------------------------------------------------
+
+
+async def sample_rollouts(session: Session, step: int) -> dict:
+    from trace_rl.rollouts import sample_rollouts as sample
+
+    models = await session.models_at(step)
+    traces, summary = await sample(session.config, models, step)
+    path = write_traces(session.storage, step, traces)
+    return {"traces": path, "summary": summary.model_dump(), "metrics": summary.metrics()}
+
+
+async def run_algorithm(session: Session, step: int, job: AlgorithmJob, traces: list[Trace] | None = None) -> dict:
+    """Run one algorithm on the traces of its envs; write its channels (and its state, if it keeps any)."""
+    storage = session.storage
+    if traces is None:
+        traces = read_traces(storage, step)
+    traces = [t for t in traces if t.env in job.envs]
+    if job.server is not None:
+        from trace_rl.remote.client import run_remote_algorithm
+
+        channels = await run_remote_algorithm(
+            job.server, job.config, traces, session.runtimes.configs, session.config.remote
+        )
+        state = {}
+    else:
+        algorithm = load_algorithm(job.config)
+        await algorithm.setup(await session.models_at(step))
+        algorithm.load_state_dict(previous_algorithm_state(session, step, job))
+        from trace_rl.algorithms.runner import run_algorithm as run_local
+
+        channels = await run_local(algorithm, traces)
+        state = algorithm.state_dict()
+    path = _channels_path(session, step, job, "parquet")
+    write_channels(storage, path, channels)
+    if state:
+        storage.write_json(_channels_path(session, step, job, "state.json"), state)
+    return {"channels": path, "algorithm": job.config.id, "stats": channel_stats(channels)}
+
+
+def previous_algorithm_state(session: Session, step: int, job: AlgorithmJob) -> dict:
+    """The algorithm's state after step `step - 1`, from that step's checkpoint (empty at the first step)."""
+    if step <= 1:
+        return {}
+    from trace_rl.trainer.checkpoint import load_part
+
+    extra = load_part(session.storage, step - 1, "extra_state") or {}
+    return extra.get("algorithms", {}).get(job.key, {})
+
+
+def _load_step(session: Session, step: int, channel_paths: list[str]) -> tuple[list[Trace], list[Channel]]:
+    key = ("inputs", step, tuple(channel_paths))
+    if key not in session.cache:
+        session.cache.clear()
+        traces = read_traces(session.storage, step)
+        channels = [c for path in channel_paths for c in read_channels(session.storage, path)]
+        session.cache[key] = (traces, channels)
+    return session.cache[key]
+
+
+def validate_dimensions(session: Session, step: int, channel_paths: list[str]) -> dict:
+    traces, channels = _load_step(session, step, channel_paths)
+    validate_channels(traces, channels)
+    return {"channels": len(channels), "branches": sum(len(t.branches) for t in traces)}
+
+
+def aggregate_channels(session: Session, step: int, channel_paths: list[str]) -> dict:
+    traces, channels = _load_step(session, step, channel_paths)
+    samples = aggregate(traces, channels)
+    session.cache[("samples", step, tuple(channel_paths))] = samples
+    return {
+        "samples": len(samples),
+        "tokens": int(sum(len(s) for s in samples)),
+        **{f"{loss}_tokens": int(sum(getattr(s, f"{loss}_mask").sum() for s in samples)) for loss in ("rl", "ce")},
+    }
+
+
+def write_batch(session: Session, step: int, channel_paths: list[str]) -> dict:
+    key = ("samples", step, tuple(channel_paths))
+    if key not in session.cache:  # a fresh process: aggregation is cheap and deterministic, so redo it
+        traces, channels = _load_step(session, step, channel_paths)
+        session.cache[key] = aggregate(traces, channels)
+    samples = session.cache.pop(key)
+    return {"batch": write_batch_table(session.storage, step, samples), "samples": len(samples)}
+
+
+def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict:
+    """One optimizer step on the batch; checkpoint (with the algorithms' states) and weights for `step`.
+
+    Idempotent: when the process died after the checkpoint of `step` became STABLE, the step
+    is not trained again; missing weights are exported from that checkpoint.
+    """
+    from trace_rl.trainer.run import train_one_step
+
+    storage = session.storage
+    weights = storage.path("weights", step_name(step))
+    metrics_path = storage.step_path(step, "train_metrics.json")
+    if step in storage.stable_steps("checkpoints"):
+        if not storage.is_stable(weights):
+            from trace_rl.trainer.trainer import Trainer
+
+            trainer = Trainer(session.config, storage)
+            trainer.restore()
+            trainer.export_weights(step)
+        metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
+        return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
+    states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
+    trainer = session.trainer_at(step) if session.config.trainer.num_processes == 1 else None
+    metrics = train_one_step(session.config, storage, step, trainer=trainer, extra_state={"algorithms": states})
+    session.trained(step)
+    storage.write_json(metrics_path, metrics)
+    return {"weights": weights, "metrics": metrics}
+
+
+async def broadcast_weights(session: Session, step: int) -> dict:
+    """Make the sampler run the weights of `step` (the next step samples with them)."""
+    await session.sync_policy(step + 1)
+    return {"policy_version": step}
+
+
+def algorithm_state_paths(session: Session, step: int, jobs: list[AlgorithmJob]) -> dict[str, str]:
+    return {job.key: _channels_path(session, step, job, "state.json") for job in jobs}
+
+
+def write_metrics(session: Session, step: int, metrics: dict) -> str:
+    path = session.storage.step_path(step, "metrics.json")
+    session.storage.write_json(path, metrics)
+    return path
+
+
+def run_step(session: Session, step: int) -> dict:
+    """The whole step without an orchestrator, stage by stage (what bench/step.py compares Prefect to)."""
+
+    async def run() -> dict:
+        rollouts = await sample_rollouts(session, step)
+        jobs = algorithm_jobs(session.config)
+        results = [await run_algorithm(session, step, job) for job in jobs]
+        paths = [r["channels"] for r in results]
+        validate_dimensions(session, step, paths)
+        aggregated = aggregate_channels(session, step, paths)
+        batch = write_batch(session, step, paths)
+        trained = train(session, step, algorithm_state_paths(session, step, jobs))
+        await broadcast_weights(session, step)
+        return {"rollouts": rollouts, "algorithms": results, "aggregate": aggregated, "batch": batch,
+                "train": trained}
+
+    return asyncio.run(run())
