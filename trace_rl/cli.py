@@ -43,6 +43,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from trace_rl.prefect_server import ensure_api_url
+    from trace_rl.replay import parse_algorithms
+
+    algorithms = parse_algorithms(args.algorithms)
+    ensure_api_url()
+    from flows.replay import replay
+
+    replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
+           from_step=args.from_step, model=args.model)
+    return 0
+
+
 def cmd_server(args) -> int:
     from trace_rl import prefect_server
 
@@ -87,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--resume", action="store_true", help="continue an existing run from its latest checkpoint")
     mode.add_argument("--overwrite", action="store_true", help="wipe an existing run directory first")
     train.set_defaults(func=cmd_train)
+
+    replay = sub.add_parser("replay", help="run saved traces through new algorithms into new batches, offline")
+    replay.add_argument("--run", required=True, help="the source run: <storage>/<name>")
+    replay.add_argument("--algorithms", required=True, help='a TOML array, e.g. \'["opd", {id="echo"}]\'')
+    replay.add_argument("--out", required=True, help="where the replayed batches go (never the source run)")
+    replay.add_argument("--steps", help="FIRST:LAST, inclusive (default: every saved step)")
+    replay.add_argument("--train", action="store_true", help="train a model on the replayed batches")
+    start = replay.add_mutually_exclusive_group()
+    start.add_argument("--from-step", type=int, help="with --train: start from the run's weights of this step")
+    start.add_argument("--model", help="with --train: start from this model (default: the run's base model)")
+    replay.set_defaults(func=cmd_replay)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])

@@ -73,11 +73,10 @@ async def sample_rollouts(session: Session, step: int) -> dict:
     return {"traces": path, "summary": summary.model_dump(), "metrics": summary.metrics()}
 
 
-async def run_algorithm(session: Session, step: int, job: AlgorithmJob, traces: list[Trace] | None = None) -> dict:
-    """Run one algorithm on the traces of its envs; write its channels (and its state, if it keeps any)."""
-    storage = session.storage
-    if traces is None:
-        traces = read_traces(storage, step)
+async def compute_channels(
+    session: Session, step: int, job: AlgorithmJob, traces: list[Trace], state: dict
+) -> tuple[list[Channel], dict]:
+    """Run one algorithm (in-process or on its env server) on the traces of its envs: (channels, new state)."""
     traces = [t for t in traces if t.env in job.envs]
     if job.server is not None:
         from trace_rl.remote.client import run_remote_algorithm
@@ -85,15 +84,21 @@ async def run_algorithm(session: Session, step: int, job: AlgorithmJob, traces: 
         channels = await run_remote_algorithm(
             job.server, job.config, traces, session.runtimes.configs, session.config.remote
         )
-        state = {}
-    else:
-        algorithm = load_algorithm(job.config)
-        await algorithm.setup(await session.models_at(step))
-        algorithm.load_state_dict(previous_algorithm_state(session, step, job))
-        from trace_rl.algorithms.runner import run_algorithm as run_local
+        return channels, {}
+    from trace_rl.algorithms.runner import run_algorithm as run_local
 
-        channels = await run_local(algorithm, traces)
-        state = algorithm.state_dict()
+    algorithm = load_algorithm(job.config)
+    await algorithm.setup(await session.models_at(step))
+    algorithm.load_state_dict(state)
+    channels = await run_local(algorithm, traces)
+    return channels, algorithm.state_dict()
+
+
+async def run_algorithm(session: Session, step: int, job: AlgorithmJob) -> dict:
+    """The stage: channels (and state, if the algorithm keeps any) written next to the step's traces."""
+    storage = session.storage
+    traces = read_traces(storage, step)
+    channels, state = await compute_channels(session, step, job, traces, previous_algorithm_state(session, step, job))
     path = _channels_path(session, step, job, "parquet")
     write_channels(storage, path, channels)
     if state:

@@ -1,0 +1,126 @@
+"""Offline replay: saved traces through new algorithms, into new batches under another URL.
+
+The source run is only read. Each replayed step writes `steps/<step>/channels/*.parquet`
+and `steps/<step>/batch.parquet` under `--out`; with `--train`, a model trains on the
+replayed batches there (checkpoints and weights under `--out` too).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+import numpy as np
+
+from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.channels import aggregate, channel_stats
+from trace_rl.config import Config, ConfigError, validate_config
+from trace_rl.session import Session
+from trace_rl.step import AlgorithmJob, compute_channels
+from trace_rl.storage import RunStorage, step_name
+from trace_rl.tables import TrainingSample, read_batch, read_traces, write_batch, write_channels
+from trace_rl.validate import validate_channels
+
+
+def parse_algorithms(text: str) -> list[AlgorithmConfig]:
+    """`'["opd", {id="echo", user={alpha=0.5}}]'` (a TOML array) into algorithm configs."""
+    try:
+        value = tomllib.loads(f"algorithms = {text}")["algorithms"]
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"--algorithms: not a TOML array ({exc}); e.g. '[\"grpo\", {{id=\"echo\"}}]'"]) from None
+    if not isinstance(value, list) or not value:
+        raise ConfigError(["--algorithms: give a non-empty array, e.g. '[\"grpo\"]'"])
+    return [AlgorithmConfig.parse(v) for v in value]
+
+
+def parse_steps(text: str | None, available: list[int]) -> list[int]:
+    """`3:7` means steps 3 through 7 (inclusive); `5` one step; None every saved step."""
+    if text is None:
+        return available
+    first, _, last = text.partition(":")
+    try:
+        lo = int(first) if first else min(available, default=1)
+        hi = int(last) if last else (lo if ":" not in text else max(available, default=lo))
+    except ValueError:
+        raise ConfigError([f"--steps {text!r}: use FIRST:LAST (inclusive), e.g. --steps 3:7"]) from None
+    wanted = [s for s in available if lo <= s <= hi]
+    missing = sorted(set(range(lo, hi + 1)) - set(available))
+    if missing:
+        raise ConfigError([f"--steps {text}: the run has no saved traces for steps {missing}"])
+    return wanted
+
+
+def source_config(run_url: str, storage_options: dict[str, Any] | None = None) -> Config:
+    storage = RunStorage.from_url(run_url, storage_options)
+    path = storage.path("config.toml")
+    if not storage.exists(path):
+        raise ConfigError([f"--run {run_url}: no config.toml there; is it a trace-rl run directory?"])
+    local = tomllib.loads(storage.read_bytes(path).decode())
+    local["storage"], local["name"] = run_url.rstrip("/").rpartition("/")[::2]
+    local["storage"] = local["storage"] or "."
+    if storage_options:
+        local["storage_options"] = storage_options
+    return validate_config(local)
+
+
+def replay_config(config: Config, algorithms: list[AlgorithmConfig]) -> Config:
+    """The source config with `algorithms` as the list of every env."""
+    data = config.model_dump(mode="json")
+    data["algorithms"] = [a.model_dump() for a in algorithms]
+    for env in data["env"]:
+        env["algorithms"] = None
+    return validate_config(data)
+
+
+def saved_steps(storage: RunStorage) -> list[int]:
+    base = storage.path("steps")
+    if not storage.exists(base):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(base, detail=False)]
+    return sorted(int(n) for n in names if n.isdigit() and storage.exists(storage.step_path(int(n), "traces.parquet")))
+
+
+def batch_stats(samples: list[TrainingSample]) -> dict[str, float]:
+    out: dict[str, float] = {"samples": float(len(samples))}
+    for loss in ("rl", "ce"):
+        values = np.concatenate([getattr(s, f"{loss}_values")[getattr(s, f"{loss}_mask")] for s in samples] or [[]])
+        out[f"{loss}_tokens"] = float(values.size)
+        out[f"{loss}_mean"] = float(values.mean()) if values.size else 0.0
+    return out
+
+
+async def replay_step(session: Session, out: RunStorage, step: int, jobs: list[AlgorithmJob],
+                      states: dict[str, dict]) -> dict:
+    """Replay one step; `states` carries stateful algorithms' state from step to step (updated in place)."""
+    traces = read_traces(session.storage, step)
+    channels = []
+    stats: dict[str, float] = {}
+    for job in jobs:
+        job_channels, states[job.key] = await compute_channels(session, step, job, traces, states.get(job.key, {}))
+        write_channels(out, out.path("steps", step_name(step), "channels", f"{job.key}.parquet"), job_channels)
+        stats.update(channel_stats(job_channels))
+        channels += job_channels
+    validate_channels(traces, channels)
+    samples = aggregate(traces, channels)
+    write_batch(out, step, samples)
+    original_path = session.storage.step_path(step, "batch.parquet")
+    original = batch_stats(read_batch(session.storage, step)) if session.storage.exists(original_path) else {}
+    return {"step": step, "channels": stats, "replayed": batch_stats(samples), "original": original}
+
+
+def initial_states(session: Session, first_step: int, jobs: list[AlgorithmJob]) -> dict[str, dict]:
+    """Stateful algorithms start from the source run's checkpoint before `first_step` when it is still kept."""
+    from trace_rl.step import previous_algorithm_state
+
+    if first_step - 1 not in session.storage.stable_steps("checkpoints") and first_step > 1:
+        return {}
+    return {job.key: previous_algorithm_state(session, first_step, job) for job in jobs}
+
+
+def train_config(config: Config, out: RunStorage, model: str) -> Config:
+    """A config that trains `model` with the source run's trainer settings, stored under `--out`."""
+    data = config.model_dump(mode="json")
+    data["storage"], data["name"] = out.storage, out.name
+    data["storage_options"] = out.storage_options
+    data["model"]["name"] = model
+    return validate_config(data)
