@@ -96,6 +96,16 @@ class CheckpointConfig(Strict):
     interval: int = Field(0, ge=0, description="also keep every interval-th checkpoint (0: none)")
 
 
+class RemoteConfig(Strict):
+    """How the trainer calls env servers (`[[env]] server = "http://..."`); see docs/remote.md."""
+
+    timeout_s: float = Field(600.0, gt=0, description="seconds to wait for one run_algorithms reply")
+    max_retries: int = Field(3, ge=0, description="retries of a refused connection, timeout, 5xx or malformed reply")
+    retry_backoff_s: float = Field(1.0, ge=0, description="backoff before the first retry; doubles each retry")
+    max_concurrent: int = Field(8, gt=0, description="groups in flight at once per remote algorithm")
+    token_env: str = Field("TRACE_RL_ENV_SERVER_TOKEN", description="environment variable holding the bearer token")
+
+
 class PrefectConfig(Strict):
     api_url: str | None = Field(None, description="a Prefect server to use instead of the embedded one")
 
@@ -116,6 +126,7 @@ class Config(Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
 
     @field_validator("algorithms", mode="before")
     @classmethod
