@@ -2,7 +2,7 @@
 
 The step has 1024 branches of 1024 tokens (128 groups of 8 rollouts), each a multi-turn
 tool conversation: system, user, then four rounds of a sampled assistant turn and a tool
-result. Runs pinned to one core; reports the best of `repeats` runs per stage, wall and CPU time.
+result. Runs on one thread; reports the best of `repeats` runs per stage, wall and CPU time.
 
     python -m bench.algorithms
 """
@@ -66,50 +66,43 @@ def timed(fn) -> tuple[float, float, object]:
 
 
 def run(repeats: int = 10) -> dict:
-    """Best-of-`repeats` wall and CPU seconds per stage and the overall tokens/s, pinned to one core.
+    """Best-of-`repeats` wall and CPU seconds per stage and the overall tokens/s, on one thread.
 
-    CPU time is reported next to wall time because shared machines deschedule the
-    process; on a quiet core the two agree.
+    Everything runs in this one thread (numpy's elementwise kernels do not multi-thread),
+    so it uses one core at a time. CPU time is reported next to wall time because a
+    shared machine deschedules the process; on a quiet core the two agree.
     """
-    pinned = hasattr(os, "sched_setaffinity")
-    if pinned:
-        allowed = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {min(allowed)})
-    try:
-        traces = synthetic_step()
-        tokens = sum(len(b) for t in traces for b in t.branches)
-        grpo, echo = load_algorithm("grpo"), load_algorithm({"id": "echo", "user": {"alpha": 0.5}})
-        wall = {stage: float("inf") for stage in STAGES}
-        cpu = dict(wall)
+    traces = synthetic_step()
+    tokens = sum(len(b) for t in traces for b in t.branches)
+    grpo, echo = load_algorithm("grpo"), load_algorithm({"id": "echo", "user": {"alpha": 0.5}})
+    wall = {stage: float("inf") for stage in STAGES}
+    cpu = dict(wall)
 
-        def record(stage, fn):
-            seconds, cpu_seconds, result = timed(fn)
-            wall[stage], cpu[stage] = min(wall[stage], seconds), min(cpu[stage], cpu_seconds)
-            return result
+    def record(stage, fn):
+        seconds, cpu_seconds, result = timed(fn)
+        wall[stage], cpu[stage] = min(wall[stage], seconds), min(cpu[stage], cpu_seconds)
+        return result
 
-        for _ in range(repeats):
-            grpo_channels = record("grpo", lambda: asyncio.run(run_algorithm(grpo, traces)))
-            echo_channels = record("echo", lambda: asyncio.run(run_algorithm(echo, traces)))
-            channels = grpo_channels + echo_channels
-            record("validate", lambda: validate_channels(traces, channels))
-            samples = record("aggregate", lambda: aggregate(traces, channels))
-    finally:
-        if pinned:
-            os.sched_setaffinity(0, allowed)
+    for _ in range(repeats):
+        grpo_channels = record("grpo", lambda: asyncio.run(run_algorithm(grpo, traces)))
+        echo_channels = record("echo", lambda: asyncio.run(run_algorithm(echo, traces)))
+        channels = grpo_channels + echo_channels
+        record("validate", lambda: validate_channels(traces, channels))
+        samples = record("aggregate", lambda: aggregate(traces, channels))
     total_wall, total_cpu = sum(wall.values()), sum(cpu.values())
     return {
         "tokens": tokens, "branches": len(traces), "samples": len(samples), "channels": len(channels),
         "wall_seconds": wall, "cpu_seconds": cpu, "total_wall_seconds": total_wall, "total_cpu_seconds": total_cpu,
         "tokens_per_s": tokens / total_wall, "tokens_per_cpu_s": tokens / total_cpu,
         "target_tokens_per_s": TARGET_TOKENS_PER_S, "meets_target": tokens / total_wall >= TARGET_TOKENS_PER_S,
-        "one_core": pinned, "load_average": os.getloadavg()[0],
+        "load_average": os.getloadavg()[0],
     }
 
 
 def main() -> None:
     result = run()
     print(f"{result['tokens']:,} tokens, {result['branches']} branches, {result['channels']} channels, "
-          f"{result['samples']} samples; one core: {result['one_core']}; load average {result['load_average']:.2f}")
+          f"{result['samples']} samples; one thread; load average {result['load_average']:.2f}")
     print(f"{'stage':<10} {'wall ms':>8} {'Mtok/s':>8} {'cpu ms':>8} {'Mtok/cpu-s':>11}")
     tokens = result["tokens"]
     for stage in STAGES:

@@ -10,6 +10,7 @@ Run `validate_channels` first: aggregation assumes every channel fits its branch
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from trace_rl.tables import TrainingSample
 from trace_rl.trace import Branch, Trace
 
 
-def combine(channels: list[Channel], tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def combine(channels: Sequence[Channel], tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """values = sum_c values_c * mask_c (0 outside every mask), mask = OR_c mask_c."""
     if not channels:
         return np.zeros(tokens, np.float32), np.zeros(tokens, np.bool_)
@@ -31,18 +32,21 @@ def combine(channels: list[Channel], tokens: int) -> tuple[np.ndarray, np.ndarra
 
 
 def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSample]:
-    """One sample per branch with at least one masked token, in trace and branch order."""
-    by_branch: dict[tuple[str, int], dict[str, list[Channel]]] = defaultdict(lambda: {loss: [] for loss in LOSSES})
+    """One sample per branch with at least one masked token, in trace and branch order.
+
+    A loss with a single channel shares that channel's mask array with the sample.
+    """
+    by_branch_loss: dict[tuple[str, int, str], list[Channel]] = defaultdict(list)
     for channel in channels:
-        by_branch[(channel.trace_id, channel.branch_index)][channel.loss].append(channel)
+        by_branch_loss[(channel.trace_id, channel.branch_index, channel.loss)].append(channel)
     samples = []
     for trace in traces:
         for branch in trace.branches:
-            per_loss = by_branch.get((trace.id, branch.index))
-            if per_loss is None:
-                continue
-            combined = {loss: combine(per_loss[loss], len(branch)) for loss in LOSSES}
-            if any(combined[loss][1].any() for loss in LOSSES):
+            combined = {
+                loss: combine(by_branch_loss.get((trace.id, branch.index, loss), ()), len(branch.token_ids))
+                for loss in LOSSES
+            }
+            if any(np.count_nonzero(combined[loss][1]) for loss in LOSSES):
                 samples.append(to_sample(trace, branch, combined))
     return samples
 

@@ -39,7 +39,17 @@ def validate_channels(traces: list[Trace], channels: list[Channel], *, source: s
             what = "no such trace" if channel.trace_id not in envs else "the trace has no such branch"
             raise fail(channel, what)
         trace, branch = found
-        check_shape(channel, trace, branch, fail)
+        values, mask, tokens = channel.values, channel.mask, len(branch.token_ids)
+        fits = (
+            type(values) is np.ndarray and type(mask) is np.ndarray and values.shape == mask.shape == (tokens,)
+            and values.dtype.kind == "f" and mask.dtype == np.bool_ and channel.loss in LOSSES
+        )
+        if not fits:  # the slow path names what does not fit
+            check_shape(channel, branch, fail)
+        if tokens and mask[0]:
+            raise fail(channel, "mask is true at token 0, which has no logprob (nothing precedes it)")
+        if channel.loss == "rl" and not trace.trainable and mask.any():
+            raise fail(channel, "rl channel masks tokens of an untrainable trace (trainable = false)")
         located.append((channel, trace, branch))
 
     with np.errstate(over="ignore"):  # float64 values beyond float32's range become inf: reported below
@@ -60,7 +70,7 @@ def validate_channels(traces: list[Trace], channels: list[Channel], *, source: s
                                     "rl trains only sampled tokens (use a 'ce' algorithm for observations)")
 
 
-def check_shape(channel: Channel, trace: Trace, branch: Branch, fail) -> None:
+def check_shape(channel: Channel, branch: Branch, fail) -> None:
     if channel.loss not in LOSSES:
         raise fail(channel, f"loss {channel.loss!r} is unknown to the trainer (known: {', '.join(LOSSES)})")
     tokens = len(branch)
@@ -72,7 +82,3 @@ def check_shape(channel: Channel, trace: Trace, branch: Branch, fail) -> None:
         if array.dtype.kind != kind:
             expected = "floating point" if kind == "f" else "bool"
             raise fail(channel, f"{name} has dtype {array.dtype}; expected {expected}")
-    if tokens and channel.mask[0]:
-        raise fail(channel, "mask is true at token 0, which has no logprob (nothing precedes it)")
-    if channel.loss == "rl" and not trace.trainable and channel.mask.any():
-        raise fail(channel, "rl channel masks tokens of an untrainable trace (trainable = false)")

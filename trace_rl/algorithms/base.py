@@ -33,6 +33,13 @@ class Channel:
     values: np.ndarray
     mask: np.ndarray
 
+    def __repr__(self) -> str:
+        # short on purpose: Python 3.11's asyncio.run formats its main task, result included, on exit
+        return (
+            f"Channel({self.algorithm_id!r}, {self.loss!r}, trace {self.trace_id!r} branch {self.branch_index}, "
+            f"{int(np.count_nonzero(self.mask))}/{len(self.mask)} tokens masked)"
+        )
+
 
 class AlgorithmConfig(BaseModel):
     """`id` plus the algorithm's own keys, flat: `{id = "echo", user = {alpha = 0.5}}`."""

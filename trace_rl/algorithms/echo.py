@@ -84,10 +84,11 @@ def observation_weights(branch: Branch, selected: np.ndarray, alpha: np.ndarray)
     and `alpha` have one entry per message plus a last one for message_index -1), never
     token 0. Returns (values = alpha on O and 0 elsewhere, mask = O).
     """
-    mask = selected.take(branch.message_index) & branch.is_content
+    slots = branch.message_index.astype(np.intp)  # numpy indexes fastest with intp
+    mask = selected[slots] & branch.is_content
     if len(mask):
         mask[0] = False
-    return alpha.take(branch.message_index) * mask, mask
+    return alpha[slots] * mask, mask
 
 
 @register("echo")
@@ -125,7 +126,7 @@ class Echo(Algorithm):
         count = len(trace.messages)
         flags = np.zeros(count + 1, np.bool_)
         for branch in trace.branches:
-            flags[branch.message_index[branch.sampled]] = True
+            flags[branch.message_index[branch.sampled].astype(np.intp)] = True
         sampled = flags[:count].tolist()
         first_sampled = 0 if self.options.include_prompt else sampled.index(True) if True in sampled else count
         tool_names = self.options.tool.tool_names if self.options.tool is not None else None
@@ -175,5 +176,5 @@ class Echo(Algorithm):
                 masks = self.narrow(trace, masks)
                 values = [v * mask for v, mask in zip(values, masks)]
             for branch, branch_values, mask in zip(trace.branches, values, masks):
-                if mask.any():
+                if np.count_nonzero(mask):
                     branch.advantages, branch.mask = branch_values, mask
