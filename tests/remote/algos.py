@@ -38,14 +38,14 @@ class PositionOptions(BaseModel):
 
 @register("position_signal")
 class PositionSignal(Algorithm):
-    """rl values scale * (t + 1) on the sampled tokens of ok traces with a positive reward; others left alone."""
+    """rl values scale * (t + 1) on every branch of ok traces (masked to the sampled tokens); others left alone."""
 
     loss = "rl"
     Options = PositionOptions
 
     async def advantage(self, traces):
         for trace in traces:
-            if trace.ok and trace.reward > 0:
+            if trace.ok:
                 for branch in trace.branches:
                     branch.mask = sampled_mask(branch)
                     branch.advantages = position_values(len(branch), self.options.scale)
@@ -81,6 +81,8 @@ class SlowOnce(Algorithm):
 @register("one_short")
 class OneShort(Algorithm):
     """A broken env algorithm: its values on the second trace's branch miss the last token."""
+
+    loss = "ce"
 
     async def advantage(self, traces):
         for trace in traces:

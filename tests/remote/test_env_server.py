@@ -30,8 +30,8 @@ FAST = RemoteConfig(timeout_s=30, max_retries=0, retry_backoff_s=0.05, token_env
 
 
 def two_groups() -> list[Trace]:
-    """Group g0: rewards 1 and -1 (the second is left alone by position_signal); group g1: one trace, reward 2."""
-    return [reward_trace("t0", 1.0, group="g0"), reward_trace("t1", -1.0, group="g0"),
+    """Group g0: t0 and the untrainable t1 (position_signal leaves it alone); group g1: t2 with two branches."""
+    return [reward_trace("t0", 1.0, group="g0"), reward_trace("t1", -1.0, group="g0", trainable=False),
             make_trace("t2", [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}],
                        [chat_branch([(0, 3, False), (1, 3, True)]), chat_branch([(0, 3, False), (1, 1, True)], 1)],
                        group="g1", reward=2.0)]
@@ -53,7 +53,7 @@ def test_health_lists_what_the_module_registered(server):
 def test_channels_come_back_exactly_as_the_algorithm_set_them(server, token):
     traces = two_groups()
     channels = run(run_remote_algorithm(server, {"id": "position_signal", "scale": 0.1}, traces, {}, FAST))
-    # group by group, branches of the negative-reward trace t1 absent
+    # group by group; the untrainable t1 left alone, so absent
     assert [(c.trace_id, c.branch_index) for c in channels] == [("t0", 0), ("t2", 0), ("t2", 1)]
     branches = {(t.id, b.index): b for t in traces for b in t.branches}
     for channel in channels:
@@ -80,7 +80,7 @@ def test_a_remote_algorithm_scores_with_the_model_its_runtime_config_names(serve
 
     local = run(local_opd())
     assert [(c.trace_id, c.branch_index) for c in remote] == [(c.trace_id, c.branch_index) for c in local]
-    assert len(remote) == 4
+    assert len(remote) == 3
     for mine, theirs in zip(remote, local):
         assert np.array_equal(mine.mask, theirs.mask) and mine.mask.any()
         assert np.array_equal(mine.values, theirs.values)

@@ -1,0 +1,75 @@
+"""Training steps whose algorithm runs on a real env server: its values land in the batch exactly, and a
+step that failed while the server was down completes on resume once it is back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.conftest import free_port
+from tests.flows.conftest import prefect_api, small_config  # noqa: F401  (the session's Prefect server)
+from tests.flows.test_pipeline import step_runs
+from tests.remote.conftest import TOKEN_ENV, env_server
+from trace_rl.config import validate_config
+from trace_rl.storage import RunStorage
+from trace_rl.tables import read_batch, read_traces
+
+SCALE = 0.1
+STAGES = ["sample_rollouts", "position_signal", "validate_dimensions", "aggregate_channels", "write_batch", "train",
+          "broadcast_weights"]
+
+
+def remote_config(storage: str, name: str, server: str, **remote):
+    return validate_config(small_config(
+        storage, name, steps=1,
+        env=[{"id": "reverse-text", "batch_size": 2, "group_size": 4, "server": server,
+              "algorithms": [{"id": "position_signal", "scale": SCALE}]}],
+        remote={"token_env": TOKEN_ENV, "timeout_s": 60, **remote},
+    ))
+
+
+def assert_batch_holds_the_remote_values(config):
+    storage = RunStorage(config.storage, config.name)
+    branches = {(t.id, b.index): b for t in read_traces(storage, 1) for b in t.branches}
+    samples = read_batch(storage, 1)
+    assert len(samples) == len(branches) == 8  # every branch of 2 examples x 4 rollouts
+    for sample in samples:
+        branch = branches[(sample.trace_id, sample.branch_index)]
+        mask = branch.sampled & (np.arange(len(branch)) > 0)
+        expected = np.where(mask, (SCALE * np.arange(1, len(branch) + 1)).astype(np.float32), np.float32(0))
+        assert np.array_equal(sample.rl_mask, mask) and mask.any()
+        assert sample.rl_values.dtype == np.float32 and np.array_equal(sample.rl_values, expected)
+        assert not sample.ce_mask.any()
+
+
+def test_a_training_step_trains_on_the_env_servers_channel_values(prefect_api, tmp_path, token_file, token):
+    from flows.train import run_training
+
+    with env_server("--token-file", str(token_file)) as url:
+        config = remote_config(str(tmp_path), "remote-values", url)
+        run_training(config)
+    assert_batch_holds_the_remote_values(config)
+    [run] = step_runs(prefect_api, "remote-values")
+    assert run["tasks"] == [(name, "Completed") for name in STAGES]
+
+
+def test_a_step_failing_while_the_server_is_down_completes_on_resume(prefect_api, tmp_path, token_file, token):
+    from flows.train import run_training
+
+    port = free_port()
+    config = remote_config(str(tmp_path), "remote-resume", f"http://127.0.0.1:{port}",
+                           max_retries=1, retry_backoff_s=0.05)
+    storage = RunStorage(config.storage, config.name)
+    with pytest.raises(Exception, match=f"env server http://127.0.0.1:{port}: algorithm 'position_signal'.*"
+                                        "failed after 2 attempts"):
+        run_training(config)
+    assert not storage.exists(storage.step_path(1, "batch.parquet"))
+    assert storage.stable_steps("weights") == []
+
+    with env_server("--token-file", str(token_file), port=port):
+        run_training(config, resume=True)
+    assert_batch_holds_the_remote_values(config)
+    failed, resumed = step_runs(prefect_api, "remote-resume")
+    assert failed["state"]["name"] == "Failed" and dict(failed["tasks"])["position_signal"] == "Failed"
+    assert resumed["tasks"] == [("sample_rollouts", "Cached")] + [(name, "Completed") for name in STAGES[1:]]
+    assert storage.stable_steps("weights") == [1]
