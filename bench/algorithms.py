@@ -105,11 +105,10 @@ def main() -> None:
           f"{result['samples']} samples; one thread; load average {result['load_average']:.2f}")
     print(f"{'stage':<10} {'wall ms':>8} {'Mtok/s':>8} {'cpu ms':>8} {'Mtok/cpu-s':>11}")
     tokens = result["tokens"]
-    for stage in STAGES:
-        wall, cpu = result["wall_seconds"][stage], result["cpu_seconds"][stage]
-        print(f"{stage:<10} {wall * 1e3:>8.2f} {tokens / wall / 1e6:>8.1f} {cpu * 1e3:>8.2f} {tokens / cpu / 1e6:>11.1f}")
-    wall, cpu = result["total_wall_seconds"], result["total_cpu_seconds"]
-    print(f"{'total':<10} {wall * 1e3:>8.2f} {tokens / wall / 1e6:>8.1f} {cpu * 1e3:>8.2f} {tokens / cpu / 1e6:>11.1f}")
+    rows = [(stage, result["wall_seconds"][stage], result["cpu_seconds"][stage]) for stage in STAGES]
+    for stage, wall, cpu in [*rows, ("total", result["total_wall_seconds"], result["total_cpu_seconds"])]:
+        print(f"{stage:<10} {wall * 1e3:>8.2f} {tokens / wall / 1e6:>8.1f} "
+              f"{cpu * 1e3:>8.2f} {tokens / cpu / 1e6:>11.1f}")
     print(f"target {TARGET_TOKENS_PER_S / 1e6:.0f}M tokens/s (wall): {'met' if result['meets_target'] else 'NOT met'}")
 
 

@@ -111,7 +111,8 @@ def hint_ids(tokenizer, demonstration):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("info, shown", [({"answer": "cba"}, "cba"), ({"demonstration": "c-b-a", "answer": "cba"}, "c-b-a")])
+@pytest.mark.parametrize("info, shown", [({"answer": "cba"}, "cba"),
+                                         ({"demonstration": "c-b-a", "answer": "cba"}, "c-b-a")])
 def test_opsd_scores_the_branch_after_a_hint_block(policy_runtime, info, shown):
     trace = rollout(policy_runtime, "t", seed=3, info=info)
     [channel] = run(distill("opsd", {"policy": policy_runtime}, [trace]))

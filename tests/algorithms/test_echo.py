@@ -106,7 +106,8 @@ def test_a_filter_cannot_widen_the_selection():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("too_short", r"'tests.algorithms.plugins:too_short' returned for trace 't' branch 0 a bool array of shape \(27,\)"),
+    ("too_short", r"'tests.algorithms.plugins:too_short' returned for trace 't' branch 0 a bool array "
+                  r"of shape \(27,\)"),
     ("integer_masks", r"'tests.algorithms.plugins:integer_masks' returned .* int64 array"),
     ("one_mask_only", r"'tests.algorithms.plugins:one_mask_only' must return a list of one bool mask per branch"),
 ])

@@ -16,7 +16,8 @@ def advantages(algorithm, traces):
 def test_baseline_per_agent_moves_after_each_advantage():
     rae = load_algorithm({"id": "rae", "decay": 0.5})
     # agent "x": A = 1 - 0 = 1, b = .5; A = 0 - .5 = -.5, b = .25 | agent "y": A = 4 - 0 = 4, b = 2
-    traces = [reward_trace("x1", 1.0, agent="x"), reward_trace("y1", 4.0, agent="y"), reward_trace("x2", 0.0, agent="x")]
+    traces = [reward_trace("x1", 1.0, agent="x"), reward_trace("y1", 4.0, agent="y"),
+              reward_trace("x2", 0.0, agent="x")]
     assert advantages(rae, traces) == [1.0, 4.0, -0.5]
     assert rae.state_dict() == {"key": "agent", "baselines": {"x": 0.25, "y": 2.0}}
     # the next step starts from those baselines: A = 1 - .25
