@@ -155,3 +155,16 @@ def test_two_gloo_processes_match_one(make_config, parallel):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
     assert max((a[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
     assert store2.latest_stable("checkpoints") == 0
+
+
+def test_bfloat16_step_and_export(make_config):
+    config = make_config()
+    config.model.dtype = "bfloat16"
+    store = storage_for(config)
+    trainer = Trainer(config, store)
+    metrics = trainer.train_step(0, make_batch(10))
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    directory = trainer.export_weights(0)
+    weights = load_file(f"{directory}/model.safetensors")
+    exported_dtype = store.read_json(f"{directory}/config.json").get("dtype")
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16} and exported_dtype == "bfloat16"
