@@ -48,6 +48,7 @@ class ModelRuntime(Protocol):
     key: str
     config: RuntimeConfig
     tokenizer: Any  # a transformers tokenizer (with the chat template), always local
+    policy_version: int  # the trainer step whose weights it samples with (0: the initial weights)
 
     @property
     def num_endpoints(self) -> int:
@@ -58,6 +59,16 @@ class ModelRuntime(Protocol):
     ) -> Generation: ...
 
     async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray: ...
+
+    async def load_weights(self, local_dir: str, version: int) -> None:
+        """Switch to the safetensors weights in `local_dir`; on failure the old weights stay."""
+
+
+def load_tokenizer(model_path: str):
+    """The model's transformers tokenizer (with its chat template), from a local directory or hub id."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
@@ -103,6 +114,7 @@ class TokenlessRuntime:
 
     num_endpoints = 1
     tokenizer = None
+    policy_version = 0
 
     def __init__(self, config: RuntimeConfig):
         self.key = config.key
@@ -119,6 +131,9 @@ class TokenlessRuntime:
 
     async def score(self, token_ids: list[int], **_: Any) -> np.ndarray:
         self._refuse("score")
+
+    async def load_weights(self, local_dir: str, version: int) -> None:
+        self._refuse("load weights")
 
 
 def build_runtime(config: RuntimeConfig) -> ModelRuntime:

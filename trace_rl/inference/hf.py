@@ -10,30 +10,16 @@ samples from its own seeded RNG, so the same seed gives the same tokens on CPU.
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 import threading
 
 import numpy as np
 import torch
 
-from trace_rl.models import Generation, RuntimeConfig
+from trace_rl.inference.weights import check_weights, safetensors_files
+from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
 from trace_rl.tiny import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def read_safetensors_dir(local_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of every `*.safetensors` file in a directory (sharded or not)."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(local_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {local_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        tensors.update(load_file(path))
-    return tensors
 
 
 class HFRuntime:
@@ -42,13 +28,13 @@ class HFRuntime:
     num_endpoints = 1
 
     def __init__(self, config: RuntimeConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.key = config.key
         self.config = config
         self.policy_version = 0
         path = resolve_model_path(config.name)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
         self.model.eval()
         self.device = torch.device("cpu")
@@ -98,20 +84,18 @@ class HFRuntime:
         return np.concatenate([[0.0], logprobs.numpy()]).astype(np.float32)
 
     # -- weights ----------------------------------------------------------------------
-    def load_weights(self, local_dir: str, version: int) -> None:
+    async def load_weights(self, local_dir: str, version: int) -> None:
         """Load a safetensors state dict; checked in full first, so a bad one changes nothing."""
-        tensors = read_safetensors_dir(local_dir)
+        await asyncio.to_thread(self._load_weights, local_dir, version)
+
+    def _load_weights(self, local_dir: str, version: int) -> None:
+        from safetensors.torch import load_file
+
         current = self.model.state_dict()
-        unknown = sorted(set(tensors) - set(current))
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing = sorted(set(current) - set(tensors) - tied)
-        mismatched = sorted(k for k in tensors.keys() & current.keys() if tensors[k].shape != current[k].shape)
-        if unknown or missing or mismatched:
-            raise ValueError(
-                f"weights in {local_dir} do not fit {self.config.name}: "
-                f"unknown {unknown[:5]}, missing {missing[:5]}, shape mismatch {mismatched[:5]}"
-            )
+        check_weights(local_dir, {name: tuple(t.shape) for name, t in current.items()}, optional=tied)
         with self._lock, torch.no_grad():
-            for name, tensor in tensors.items():
-                current[name].copy_(tensor)
+            for path in safetensors_files(local_dir):
+                for name, tensor in load_file(path).items():
+                    current[name].copy_(tensor)
         self.policy_version = version

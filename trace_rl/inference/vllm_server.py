@@ -1,0 +1,108 @@
+"""The `vllm` sampler over running vLLM OpenAI-compatible servers (`base_url`).
+
+Requests go to `/v1/completions` with token-id prompts: `return_token_ids` gives the
+sampled ids exactly (never re-tokenized text) and `logprobs = 0` the sampled tokens'
+logprobs, which are the processed ones when the server runs with
+`--logprobs-mode processed_logprobs`. Scoring uses `prompt_logprobs` with
+`max_tokens = 1`. Several URLs are used round-robin for generation; `score` takes an
+explicit endpoint so callers can spread scoring. Weight reloads use the server's
+dev-mode routes (`VLLM_SERVER_DEV_MODE=1`): pause, `collective_rpc reload_weights`,
+resume; the weights directory must be readable by the server at the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import httpx
+import numpy as np
+
+from trace_rl.inference.vllm_engine import prompt_logprobs_at
+from trace_rl.inference.weights import check_weights, local_tensor_shapes
+from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
+from trace_rl.tiny import resolve_model_path
+
+
+class ServerError(RuntimeError):
+    """A vLLM server answered with an error (the message names the URL and its reply)."""
+
+
+class VLLMServerRuntime:
+    """A `ModelRuntime` over one or more vLLM servers serving the same model."""
+
+    def __init__(self, config: RuntimeConfig):
+        if not config.base_urls:
+            raise ValueError(f"model {config.key!r}: a vLLM server runtime needs base_url")
+        self.key = config.key
+        self.config = config
+        self.policy_version = 0
+        self.base_urls = [url.rstrip("/").removesuffix("/v1") for url in config.base_urls]
+        model_path = resolve_model_path(config.name)
+        self.tokenizer = load_tokenizer(model_path)
+        self._expected = local_tensor_shapes(model_path)
+        self._next_endpoint = itertools.cycle(range(len(self.base_urls)))
+        self._served_names: dict[str, str] = {}
+        self._timeout = httpx.Timeout(config.request_timeout_s)
+
+    @property
+    def num_endpoints(self) -> int:
+        return len(self.base_urls)
+
+    async def _post(self, base_url: str, route: str, payload: dict | None = None, params: dict | None = None):
+        async with httpx.AsyncClient(timeout=self._timeout) as client:
+            response = await client.post(f"{base_url}{route}", json=payload, params=params)
+        if response.status_code >= 400:
+            raise ServerError(f"{base_url}{route} answered {response.status_code}: {response.text[:500]}")
+        return response.json() if response.content else None
+
+    async def _served_name(self, base_url: str) -> str:
+        if base_url not in self._served_names:
+            async with httpx.AsyncClient(timeout=self._timeout) as client:
+                response = await client.get(f"{base_url}/v1/models")
+            response.raise_for_status()
+            self._served_names[base_url] = response.json()["data"][0]["id"]
+        return self._served_names[base_url]
+
+    async def _complete(self, base_url: str, **fields) -> dict:
+        payload = {"model": await self._served_name(base_url), **fields}
+        return (await self._post(base_url, "/v1/completions", payload))["choices"][0]
+
+    async def generate(
+        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
+    ) -> Generation:
+        choice = await self._complete(
+            self.base_urls[next(self._next_endpoint)],
+            prompt=list(prompt_ids), max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            logprobs=0, return_token_ids=True, skip_special_tokens=False,
+        )
+        return Generation(
+            token_ids=list(choice["token_ids"]),
+            logprobs=list(choice["logprobs"]["token_logprobs"]),
+            finish_reason=choice.get("finish_reason") or "length",
+        )
+
+    async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
+        """Per-token logprobs (the first 0); see `VLLMEngineRuntime.score` for temperatures other than 1."""
+        choice = await self._complete(
+            self.base_urls[endpoint % len(self.base_urls)],
+            prompt=list(token_ids), max_tokens=1, temperature=1.0,
+            prompt_logprobs=0 if temperature == 1.0 else -1, return_token_ids=True,
+        )
+        positions = [{int(t): lp["logprob"] for t, lp in entry.items()} for entry in choice["prompt_logprobs"][1:]]
+        return prompt_logprobs_at(token_ids, positions, temperature)
+
+    async def load_weights(self, local_dir: str, version: int) -> None:
+        """Check the new weights, then on every endpoint: pause (letting in-flight requests
+        finish on the old weights), reload, and resume, which always runs."""
+        check_weights(local_dir, self._expected)
+        await asyncio.gather(*(self._reload_endpoint(url, local_dir) for url in self.base_urls))
+        self.policy_version = version
+
+    async def _reload_endpoint(self, base_url: str, local_dir: str) -> None:
+        await self._post(base_url, "/pause", params={"mode": "wait"})
+        try:
+            payload = {"method": "reload_weights", "kwargs": {"weights_path": local_dir}}
+            await self._post(base_url, "/collective_rpc", payload)
+        finally:
+            await self._post(base_url, "/resume")
