@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trace_rl.algorithms.base import LOSSES, Channel
+from trace_rl.algorithms.base import Channel
 from trace_rl.tables import TrainingSample
-from trace_rl.trace import Branch, Trace
+from trace_rl.trace import Trace
 
 
 def combine(channels: Sequence[Channel], tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -28,7 +28,7 @@ def combine(channels: Sequence[Channel], tokens: int) -> tuple[np.ndarray, np.nd
     for channel in channels[1:]:
         values += channel.values * channel.mask
         mask = mask | channel.mask
-    return values.astype(np.float32, copy=False), mask
+    return (values if values.dtype == np.float32 else values.astype(np.float32)), mask
 
 
 def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSample]:
@@ -42,22 +42,16 @@ def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSamp
     samples = []
     for trace in traces:
         for branch in trace.branches:
-            combined = {
-                loss: combine(by_branch_loss.get((trace.id, branch.index, loss), ()), len(branch.token_ids))
-                for loss in LOSSES
-            }
-            if any(np.count_nonzero(combined[loss][1]) for loss in LOSSES):
-                samples.append(to_sample(trace, branch, combined))
+            tokens = len(branch.token_ids)
+            rl_values, rl_mask = combine(by_branch_loss.get((trace.id, branch.index, "rl"), ()), tokens)
+            ce_values, ce_mask = combine(by_branch_loss.get((trace.id, branch.index, "ce"), ()), tokens)
+            if np.count_nonzero(rl_mask) or np.count_nonzero(ce_mask):
+                samples.append(TrainingSample(
+                    trace_id=trace.id, branch_index=branch.index, env=trace.env, input_ids=branch.token_ids,
+                    temperature=branch.temperature, inference_logprobs=branch.logprobs,
+                    rl_values=rl_values, rl_mask=rl_mask, ce_values=ce_values, ce_mask=ce_mask,
+                ))
     return samples
-
-
-def to_sample(trace: Trace, branch: Branch, combined: dict[str, tuple[np.ndarray, np.ndarray]]) -> TrainingSample:
-    return TrainingSample(
-        trace_id=trace.id, branch_index=branch.index, env=trace.env, input_ids=branch.token_ids,
-        temperature=branch.temperature, inference_logprobs=branch.logprobs,
-        rl_values=combined["rl"][0], rl_mask=combined["rl"][1],
-        ce_values=combined["ce"][0], ce_mask=combined["ce"][1],
-    )
 
 
 def channel_stats(channels: list[Channel]) -> dict[str, float]:
