@@ -138,21 +138,19 @@ def create_app(health: Health, limits: Limits = Limits(), token: str | None = No
                                    f"{limits.max_concurrent} (--max-concurrent); retry later", {"Retry-After": "1"})
             in_flight += 1
             try:
-                body = await read_body(request)
-                try:
-                    reply = await asyncio.wait_for(run(body), limits.request_timeout_s)
-                except TimeoutError:
-                    raise Refused(504, f"run_algorithms took longer than the server's limit of "
-                                       f"{limits.request_timeout_s:g}s (--request-timeout-s)") from None
+                reply = await asyncio.wait_for(run(request), limits.request_timeout_s)
+            except TimeoutError:
+                raise Refused(504, f"run_algorithms took longer than the server's limit of "
+                                   f"{limits.request_timeout_s:g}s (--request-timeout-s)") from None
             finally:
                 in_flight -= 1
         except Refused as exc:
             return refuse(exc)
         return Response(reply.model_dump_json(), media_type="application/json")
 
-    async def run(body: bytes) -> RunReply:
+    async def run(http_request: Request) -> RunReply:
         try:
-            request = RunRequest.model_validate_json(body)
+            request = RunRequest.model_validate_json(await read_body(http_request))
         except ValidationError as exc:
             raise Refused(422, f"malformed run_algorithms request: {describe(exc)}") from None
         if request.version != PROTOCOL_VERSION:
