@@ -52,6 +52,12 @@ def test_state_survives_save_and_load_through_json():
     assert advantages(load_algorithm({"id": "rae", "decay": 0.5}), [reward_trace("c", 2.0)]) == [2.0]
 
 
+def test_empty_state_starts_fresh():
+    rae = load_algorithm({"id": "rae", "decay": 0.5})
+    rae.load_state_dict({})
+    assert advantages(rae, [reward_trace("a", 1.0)]) == [1.0]
+
+
 def test_loading_state_of_another_key_mode_is_refused():
     rae = load_algorithm({"id": "rae", "key": "example"})
     with pytest.raises(AlgorithmError, match="per 'agent' but key = 'example'"):

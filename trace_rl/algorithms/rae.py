@@ -59,6 +59,10 @@ class RAE(Algorithm):
         return {"key": self.options.key, "baselines": dict(self.baselines)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore checkpointed baselines; an empty state (a run's first step) starts from none."""
+        if not state:
+            self.baselines = {}
+            return
         if set(state) != {"key", "baselines"}:
             raise AlgorithmError(f"rae {self.id!r}: state must have keys 'key' and 'baselines', got {sorted(state)}")
         if state["key"] != self.options.key:
