@@ -101,8 +101,8 @@ def test_wrong_or_missing_token_is_401_and_not_retried(server, monkeypatch):
 
 def test_oversize_request_is_413(server, token):
     huge = make_trace("big", [{"role": "user", "content": "a"}], [chat_branch([(0, 20_000, False)])])
-    reply = httpx.post(f"{server}/run_algorithms", content=RunRequest(algorithms=[AlgorithmConfig(id="position_signal")],
-                       traces=[huge.to_dict()]).model_dump_json(), headers=auth(), timeout=30)
+    body = RunRequest(algorithms=[AlgorithmConfig(id="position_signal")], traces=[huge.to_dict()]).model_dump_json()
+    reply = httpx.post(f"{server}/run_algorithms", content=body, headers=auth(), timeout=30)
     assert reply.status_code == 413
     assert "exceeds the server's limit of 52428 bytes (--max-request-mb)" in reply.json()["error"]
     with pytest.raises(RemoteAlgorithmError, match="HTTP 413"):
@@ -250,7 +250,7 @@ def test_traces_round_trip_the_wire_exactly():
                         chat_branch([(0, 1, False), (1, 4, True)], index=1, temperature=0.7)],
                        reward=1 / 3, rewards={"a": 0.1}, metrics={"m": float("nan")}, info={"answer": {"k": [None]}})
     trace.branches[0].logprobs[-1] = np.float32(-3.4028235e38)
-    trace.branches[1].advantages = np.float32([0.1, -0.0, 1e-45, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12][:len(trace.branches[1])])
+    trace.branches[1].advantages = np.float32([0.1, -0.0, 1e-45, 3, 4, 5, 6, 7, 8])  # the branch's 9 tokens
     trace.branches[1].mask = np.arange(len(trace.branches[1])) % 2 == 1
     wire = RunRequest(algorithms=[AlgorithmConfig(id="x", a={"b": 1})], traces=[trace.to_dict()]).model_dump_json()
     back = RunRequest.model_validate_json(wire)

@@ -26,7 +26,9 @@ from pydantic import ValidationError
 from trace_rl.algorithms.base import REGISTRY, AlgorithmError
 from trace_rl.algorithms.runner import load_algorithms, run_algorithms
 from trace_rl.models import ModelRuntime, RuntimeConfig, build_runtime
-from trace_rl.remote.wire import PROTOCOL_VERSION, AlgorithmResult, ErrorReply, Health, RunReply, RunRequest, WireChannel
+from trace_rl.remote.wire import (
+    PROTOCOL_VERSION, AlgorithmResult, ErrorReply, Health, RunReply, RunRequest, WireChannel,
+)
 from trace_rl.trace import Trace, TraceError
 
 log = logging.getLogger("trace_rl.env_server")
