@@ -67,3 +67,18 @@ def tiny_model_path() -> str:
     from trace_rl.tiny import build_tiny
 
     return str(build_tiny(0))
+
+
+@pytest.fixture(scope="session")
+def vllm_runtime(tiny_model_path):
+    """The session's one in-process vLLM engine on the tiny model (key `policy`), shared by every test.
+
+    Tests that broadcast other weights into it load the tiny model's own weights back afterwards.
+    """
+    from trace_rl.inference.vllm_engine import shutdown_engines
+    from trace_rl.models import RuntimeConfig, build_runtime
+
+    yield build_runtime(
+        RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm", max_model_len=1024, cpu_kv_cache_gb=0.25)
+    )
+    shutdown_engines()

@@ -77,6 +77,10 @@ class EngineWorker:
             while not self._inbox.empty():
                 commands.append(self._inbox.get_nowait())
             for kind, payload, future in commands:
+                if kind == "stop":
+                    llm.llm_engine.engine_core.shutdown()
+                    future.set_result(None)
+                    return
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
@@ -111,6 +115,13 @@ class EngineWorker:
         self._inbox.put(("call", function, future))
         return future
 
+    def stop(self) -> None:
+        """Shut the engine down (its processes exit) and end the thread."""
+        future: Future = Future()
+        self._inbox.put(("stop", None, future))
+        future.result()
+        self._thread.join()
+
 
 ENGINES: dict[tuple, EngineWorker] = {}
 ENGINES_LOCK = threading.Lock()
@@ -127,6 +138,13 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
         if key not in ENGINES:
             ENGINES[key] = EngineWorker(config)
         return ENGINES[key]
+
+
+def shutdown_engines() -> None:
+    """Stop every engine of this process (they otherwise stop when the process exits)."""
+    with ENGINES_LOCK:
+        while ENGINES:
+            ENGINES.popitem()[1].stop()
 
 
 class VLLMEngineRuntime:

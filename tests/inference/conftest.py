@@ -1,0 +1,76 @@
+"""Fixtures for sampler tests: a run whose `weights/000001/` is a changed tiny model, and the
+trainer's logprobs of a token sequence (the reference the samplers must match)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trace_rl.models import load_tokenizer
+from trace_rl.storage import RunStorage
+from trace_rl.tables import TrainingSample
+from trace_rl.trainer.packing import collate
+from trace_rl.trainer.trainer import token_logprobs
+
+UPDATED_STEP = 1
+
+
+def trainer_logprobs(model_dir: str, token_ids: list[int], temperature: float) -> np.ndarray:
+    """What the trainer computes for `token_ids` (one sample) with the weights in `model_dir`."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n = len(token_ids)
+    zeros = np.zeros(n, dtype=np.float32)
+    sample = TrainingSample(
+        trace_id="t", branch_index=0, env="e", input_ids=np.asarray(token_ids, dtype=np.int32),
+        temperature=temperature, inference_logprobs=zeros, rl_values=zeros, rl_mask=zeros.astype(bool),
+        ce_values=zeros, ce_mask=zeros.astype(bool),
+    )
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, collate([sample]), torch.device("cpu"))
+    return lp.numpy()
+
+
+def save_updated_model(base_dir: str, target_dir: str, seed: int = 1, scale: float = 0.05) -> None:
+    """The base model with every weight moved by seeded noise: a stand-in for a trainer update."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(target_dir, safe_serialization=True)
+    load_tokenizer(base_dir).save_pretrained(target_dir)
+
+
+@pytest.fixture(scope="session")
+def updated_weights(tiny_model_path, tmp_path_factory) -> RunStorage:
+    """A local run with `weights/000001/` (STABLE) holding changed tiny-model weights."""
+    storage = RunStorage(str(tmp_path_factory.mktemp("runs")), "broadcast")
+    with tempfile.TemporaryDirectory() as staging:
+        save_updated_model(tiny_model_path, staging)
+        storage.upload_dir(staging, storage.path("weights", f"{UPDATED_STEP:06d}"))
+    return storage
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_model_path) -> list[int]:
+    tokenizer = load_tokenizer(tiny_model_path)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": "reverse: hello"}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def hf_runtime(tiny_model_path):
+    from trace_rl.models import RuntimeConfig, build_runtime
+
+    return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
+
+
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def runtime(request):
+    """Each in-process sampler in turn (the vLLM one is the session's shared engine)."""
+    return request.getfixturevalue("hf_runtime" if request.param == "hf" else "vllm_runtime")

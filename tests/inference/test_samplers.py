@@ -1,0 +1,56 @@
+"""The in-process samplers (transformers and vLLM) on the tiny model: sampled tokens with
+processed logprobs that match the trainer's, reproducible per seed, and scoring."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.inference.conftest import trainer_logprobs
+
+TOLERANCE = 2e-4  # fp32 logprobs of two implementations of the same forward pass
+
+
+def test_generate_returns_tokens_with_logprobs_reproducibly(runtime, prompt_ids):
+    async def sample(seed):
+        return await runtime.generate(prompt_ids, temperature=1.0, max_tokens=12, top_p=1.0, seed=seed)
+
+    async def main():
+        return await asyncio.gather(sample(7), sample(7), sample(8))
+
+    first, again, other = asyncio.run(main())
+    assert len(first.token_ids) == len(first.logprobs) == 12
+    assert first.finish_reason == "length"
+    assert all(lp < 0 for lp in first.logprobs)
+    assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
+    assert other.token_ids != first.token_ids
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_trainer(runtime, prompt_ids, tiny_model_path, temperature):
+    generation = asyncio.run(runtime.generate(prompt_ids, temperature=temperature, max_tokens=16, top_p=1.0, seed=3))
+    expected = trainer_logprobs(tiny_model_path, prompt_ids + generation.token_ids, temperature)
+    np.testing.assert_allclose(generation.logprobs, expected[len(prompt_ids):], atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_score_matches_trainer(runtime, prompt_ids, tiny_model_path, temperature):
+    tokens = prompt_ids + [ord(c) - 32 for c in "olleh"]  # any ids; the tiny model's bytes are shifted
+    scores = asyncio.run(runtime.score(tokens, temperature=temperature))
+    assert scores.dtype == np.float32 and scores.shape == (len(tokens),) and scores[0] == 0.0
+    np.testing.assert_allclose(scores, trainer_logprobs(tiny_model_path, tokens, temperature), atol=TOLERANCE)
+
+
+def test_top_p_logprobs_are_renormalized_over_the_kept_tokens(runtime, prompt_ids, tiny_model_path):
+    """Processed logprobs come after top-p: every sampled token is more likely than without the filter."""
+    generation = asyncio.run(runtime.generate(prompt_ids, temperature=1.0, max_tokens=16, top_p=0.5, seed=5))
+    unfiltered = trainer_logprobs(tiny_model_path, prompt_ids + generation.token_ids, 1.0)[len(prompt_ids):]
+    assert np.all(np.asarray(generation.logprobs) > unfiltered + 0.1)
+
+
+def test_vllm_and_hf_agree_on_scores(hf_runtime, vllm_runtime, prompt_ids):
+    tokens = prompt_ids + [60, 61, 62]
+    hf, vllm = (asyncio.run(r.score(tokens)) for r in (hf_runtime, vllm_runtime))
+    np.testing.assert_allclose(hf, vllm, atol=TOLERANCE)
