@@ -130,7 +130,8 @@ def run(repeats: int = 3) -> dict:
         "trainer_seconds": trainer_s, "trainer_tokens_per_s": tokens / trainer_s,
         "bare_seconds": bare_s, "bare_tokens_per_s": tokens / bare_s, "overhead": trainer_s / bare_s - 1,
         "matmul_flops_per_s": peak, "model_flops_per_token": flops_per_token,
-        "trainer_mfu": flops_per_token * tokens / trainer_s / peak, "bare_mfu": flops_per_token * tokens / bare_s / peak,
+        "trainer_mfu": flops_per_token * tokens / trainer_s / peak,
+        "bare_mfu": flops_per_token * tokens / bare_s / peak,
         "load_average": os.getloadavg()[0],
     }
 
@@ -141,7 +142,8 @@ def main() -> None:
           f"{r['parameters'] / 1e6:.1f}M parameters, {r['tokens']:,} tokens in {r['micro_batches']} micro-batches")
     print(f"trainer   {r['trainer_tokens_per_s']:>10,.0f} tokens/s  ({r['trainer_seconds']:.3f} s/step)  "
           f"MFU {r['trainer_mfu']:.1%}")
-    print(f"bare loop {r['bare_tokens_per_s']:>10,.0f} tokens/s  ({r['bare_seconds']:.3f} s/step)  MFU {r['bare_mfu']:.1%}")
+    print(f"bare loop {r['bare_tokens_per_s']:>10,.0f} tokens/s  ({r['bare_seconds']:.3f} s/step)  "
+          f"MFU {r['bare_mfu']:.1%}")
     print(f"trainer overhead vs bare loop: {r['overhead']:+.1%}; matmul {r['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s")
 
 

@@ -16,7 +16,9 @@ from trace_rl.config import LossConfig
 Channel = tuple[torch.Tensor, torch.Tensor]  # (values float, mask bool), both aligned with the tokens
 
 
-def trust_region_keep(advantages: torch.Tensor, lp: torch.Tensor, lp_inf: torch.Tensor, config: LossConfig) -> torch.Tensor:
+def trust_region_keep(
+    advantages: torch.Tensor, lp: torch.Tensor, lp_inf: torch.Tensor, config: LossConfig
+) -> torch.Tensor:
     """DPPO trust-region mask on the probability difference `dp = exp(lp) - exp(lp_inf)`.
 
     A token leaves the policy term when the update would push it further out of the

@@ -18,7 +18,8 @@ import torch
 
 from trace_rl.tables import LOSS_NAMES, TrainingSample
 
-TOKEN_FIELDS = ("input_ids", "inference_logprobs", *(f"{loss}_{part}" for loss in LOSS_NAMES for part in ("values", "mask")))
+CHANNEL_FIELDS = ("inference_logprobs", *(f"{loss}_{part}" for loss in LOSS_NAMES for part in ("values", "mask")))
+TOKEN_FIELDS = ("input_ids", *CHANNEL_FIELDS)
 
 
 class PackingError(ValueError):

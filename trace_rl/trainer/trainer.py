@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trace_rl.config import Config
 from trace_rl.storage import RunStorage, step_name
-from trace_rl.tables import TrainingSample
+from trace_rl.tables import LOSS_NAMES, TrainingSample
 from trace_rl.tiny import resolve_model_path
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
-from trace_rl.trainer.packing import MicroBatch, assign_to_ranks, block_causal_mask, pack
+from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, block_causal_mask, pack
 
 WEIGHTS = "weights"
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -48,7 +48,9 @@ def warmup_factor(warmup_steps: int):
     return lambda index: min(1.0, (index + 1) / warmup_steps) if warmup_steps else 1.0
 
 
-def token_logprobs(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model: torch.nn.Module, batch: MicroBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch at each sample's temperature.
 
     Position t predicts token t+1; the logits are divided by the temperature of the
@@ -120,13 +122,11 @@ class Trainer:
 
     def _gradient_sync(self, enabled: bool):
         """Sync gradients across ranks only on the last micro-batch of a step."""
-        if not self.distributed or enabled:
-            if self.distributed and self.config.trainer.parallel == "fsdp":
-                self.model.set_requires_gradient_sync(True)
+        if not self.distributed:
             return contextlib.nullcontext()
         if self.config.trainer.parallel == "ddp":
-            return self.model.no_sync()
-        self.model.set_requires_gradient_sync(False)
+            return contextlib.nullcontext() if enabled else self.model.no_sync()
+        self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
     def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
@@ -154,16 +154,16 @@ class Trainer:
         for i, batch in enumerate(mine):
             with self._gradient_sync(i == len(mine) - 1):
                 lp, entropy = token_logprobs(self.model, batch, self.device)
-                tensor = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+                on_device = {name: torch.from_numpy(getattr(batch, name)).to(self.device) for name in CHANNEL_FIELDS}
                 loss, metrics = compute_loss(
-                    lp, tensor(batch.inference_logprobs),
-                    {"rl": (tensor(batch.rl_values), tensor(batch.rl_mask)),
-                     "ce": (tensor(batch.ce_values), tensor(batch.ce_mask))},
+                    lp, on_device["inference_logprobs"],
+                    {loss: (on_device[f"{loss}_values"], on_device[f"{loss}_mask"]) for loss in LOSS_NAMES},
                     scales, self.config.trainer.loss,
                 )
                 # DDP and FSDP average gradients over ranks; the scales already sum over ranks
                 (loss * self.world_size).backward()
-            metrics["entropy"] = (entropy * tensor(batch.rl_mask | batch.ce_mask)).sum() / max(loss_tokens, 1.0)
+            loss_mask = on_device["rl_mask"] | on_device["ce_mask"]
+            metrics["entropy"] = (entropy * loss_mask).sum() / max(loss_tokens, 1.0)
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value.double()
         names = sorted(totals)
@@ -179,8 +179,8 @@ class Trainer:
         result = dict(zip(names, reduced))
         result["loss"] = result["loss/rl"] + result["loss/ce"]
         result.update(
-            grad_norm=float(grad_norm), lr=lr, tokens=float(sum(b.num_tokens for b in micro_batches)), micro_batches=float(len(micro_batches)),
-            samples=float(len(samples)),
+            grad_norm=float(grad_norm), lr=lr, tokens=float(sum(b.num_tokens for b in micro_batches)),
+            micro_batches=float(len(micro_batches)), samples=float(len(samples)),
         )
         return result
 
@@ -203,7 +203,7 @@ class Trainer:
         return directory
 
     def restore(self) -> tuple[int | None, dict[str, Any]]:
-        """Load the latest STABLE checkpoint if any: returns (its step, the algorithms' extra state), else (None, {})."""
+        """Load the latest STABLE checkpoint if any; returns (its step, the algorithms' extra state) or (None, {})."""
         step = self.storage.latest_stable(checkpoint.KIND)
         if step is None:
             return None, {}
