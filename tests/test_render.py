@@ -57,7 +57,9 @@ def test_single_render_attributes_every_message(tiny_tokenizer):
     messages = [Message(role="system", content="be brief"), Message(role="user", content="héllo\nworld")]
     rendered = renderer.render(messages)
     assert decode(tiny_tokenizer, rendered.token_ids) == rendered.text
-    assert rendered.text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo\nworld<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered.text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo\nworld<|im_end|>\n<|im_start|>assistant\n"
+    )
     by_message = {k: decode(tiny_tokenizer, rendered.token_ids[rendered.message_index == k]) for k in (-1, 0, 1)}
     assert by_message == {
         0: "<|im_start|>system\nbe brief<|im_end|>\n",
@@ -65,7 +67,8 @@ def test_single_render_attributes_every_message(tiny_tokenizer):
         -1: "<|im_start|>assistant\n",
     }
     # 'é' is two byte tokens, both attributed to the content
-    assert decode(tiny_tokenizer, rendered.token_ids[rendered.is_content & (rendered.message_index == 1)]) == "héllo\nworld"
+    user_content = rendered.is_content & (rendered.message_index == 1)
+    assert decode(tiny_tokenizer, rendered.token_ids[user_content]) == "héllo\nworld"
     assert not rendered.is_content[rendered.message_index == -1].any()
 
 
@@ -79,7 +82,8 @@ def test_tiny_multi_turn_extends_one_branch_token_exactly(tiny_tokenizer):
 
     async def run():
         await conversation.sample()
-        conversation.set_reply(Message(role="assistant", content="", tool_calls=[ToolCall(id="c1", name="lookup", arguments={"key": "a"})]))
+        call = ToolCall(id="c1", name="lookup", arguments={"key": "a"})
+        conversation.set_reply(Message(role="assistant", content="", tool_calls=[call]))
         conversation.add(Message(role="tool", tool_call_id="c1", content="a=1"))
         assert await conversation.sample() == "don"  # cut off: no end-of-turn token was sampled
         conversation.add(Message(role="user", content="finish"))
@@ -101,7 +105,8 @@ def test_tiny_multi_turn_extends_one_branch_token_exactly(tiny_tokenizer):
     # sampled tokens: exactly the three completions; the eos after 'don' was never sampled
     sampled = decode(tiny_tokenizer, branch.token_ids[branch.sampled])
     assert sampled == '<tool_call>lookup {"key": "a"}</tool_call><|im_end|>' + "don" + "done<|im_end|>"
-    assert np.all(branch.logprobs[branch.sampled] == np.float32(-0.25)) and np.all(branch.logprobs[~branch.sampled] == 0)
+    assert np.all(branch.logprobs[branch.sampled] == np.float32(-0.25))
+    assert np.all(branch.logprobs[~branch.sampled] == 0)
     # the scaffold after a sampled turn belongs to that assistant message and is not sampled
     after_don = decode(tiny_tokenizer, branch.token_ids[(branch.message_index == 3) & ~branch.sampled])
     assert after_don == "<|im_end|>\n"
@@ -119,7 +124,9 @@ def test_tiny_multi_turn_extends_one_branch_token_exactly(tiny_tokenizer):
 def test_qwen_style_tool_turns_extend_and_user_turn_after_reasoning_starts_new_branch(qwen_tokenizer):
     prompts: list[list[int]] = []
     first = '<think>\nneed data\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"key": "a"}}\n</tool_call>'
-    completions = [(first, True), ("<think>\nhave it\n</think>\n\na is 1", True), ("<think>\nok\n</think>\n\nbye", True)]
+    completions = [
+        (first, True), ("<think>\nhave it\n</think>\n\na is 1", True), ("<think>\nok\n</think>\n\nbye", True),
+    ]
     renderer = Renderer(qwen_tokenizer, TOOLS)
     conversation = Conversation(
         renderer, scripted(qwen_tokenizer, completions, prompts), temperature=1.0,
@@ -143,12 +150,14 @@ def test_qwen_style_tool_turns_extend_and_user_turn_after_reasoning_starts_new_b
     assert [b.index for b in conversation.branches] == [0, 1]
     assert messages[3].name == "lookup"
     # each branch decodes to the conversation as the template rendered it when that branch was sampled
-    assert decode(qwen_tokenizer, first_branch.token_ids) + "\n" == renderer.text(messages[:5], add_generation_prompt=False)
-    assert decode(qwen_tokenizer, second_branch.token_ids) + "\n" == renderer.text(messages, add_generation_prompt=False)
+    first_text, second_text = (decode(qwen_tokenizer, b.token_ids) for b in (first_branch, second_branch))
+    assert first_text + "\n" == renderer.text(messages[:5], add_generation_prompt=False)
+    assert second_text + "\n" == renderer.text(messages, add_generation_prompt=False)
     assert "need data" in decode(qwen_tokenizer, first_branch.token_ids)
     assert "need data" not in decode(qwen_tokenizer, second_branch.token_ids)
     # the first branch holds both sampled turns; the new branch only the last one
-    assert decode(qwen_tokenizer, first_branch.token_ids[first_branch.sampled]) == first + "<|im_end|>" + completions[1][0] + "<|im_end|>"
+    both_turns = first + "<|im_end|>" + completions[1][0] + "<|im_end|>"
+    assert decode(qwen_tokenizer, first_branch.token_ids[first_branch.sampled]) == both_turns
     assert decode(qwen_tokenizer, second_branch.token_ids[second_branch.sampled]) == completions[2][0] + "<|im_end|>"
     assert set(second_branch.message_index[second_branch.sampled]) == {6}
     # attribution: the tool result sits inside <tool_response> of a user turn and is the tool message's content
@@ -166,8 +175,10 @@ def test_qwen_style_tool_turns_extend_and_user_turn_after_reasoning_starts_new_b
 
 
 def test_sampling_needs_a_new_message(tiny_tokenizer):
-    conversation = Conversation(Renderer(tiny_tokenizer), scripted(tiny_tokenizer, [("x", True)] * 2, []), temperature=1.0,
-                                messages=[Message(role="user", content="hi")])
+    generate = scripted(tiny_tokenizer, [("x", True)] * 2, [])
+    conversation = Conversation(
+        Renderer(tiny_tokenizer), generate, temperature=1.0, messages=[Message(role="user", content="hi")]
+    )
     asyncio.run(conversation.sample())
     with pytest.raises(RenderError, match="add a user or tool message"):
         asyncio.run(conversation.sample())

@@ -45,7 +45,8 @@ def check_token_exact(trace: Trace, tokenizer, tools=None) -> None:
     assert np.all(branch.logprobs[~branch.sampled] == 0)
     for k, message in enumerate(trace.messages):
         if message.role != "assistant":
-            assert decode(tokenizer, branch.token_ids[(branch.message_index == k) & branch.is_content]) == message.content
+            content = (branch.message_index == k) & branch.is_content
+            assert decode(tokenizer, branch.token_ids[content]) == message.content
 
 
 def test_reverse_text(runtime):

@@ -22,7 +22,8 @@ def make_config(**inference) -> Config:
         sampling={"temperature": 1.0, "max_completion_tokens": 8},
         inference={"max_concurrent": 3, "max_retries": 3, "retry_backoff_s": 0.01, **inference},
         env=[
-            {"id": "reverse-text", "batch_size": 2, "group_size": 2, "sampling": {"temperature": 0.7, "max_completion_tokens": 6}},
+            {"id": "reverse-text", "batch_size": 2, "group_size": 2,
+             "sampling": {"temperature": 0.7, "max_completion_tokens": 6}},
             {"id": "number-debate", "batch_size": 1, "group_size": 2, "args": {"rounds": 1}},
         ],
     )

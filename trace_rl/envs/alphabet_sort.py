@@ -57,7 +57,8 @@ class AlphabetSort(Environment):
 
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         batches = example.data["batches"]
-        messages = [Message(role="user", content="Sort these names alphabetically, one per line:\n" + "\n".join(batches[0]))]
+        request = "Sort these names alphabetically, one per line:\n" + "\n".join(batches[0])
+        messages = [Message(role="user", content=request)]
         if self.args.system_prompt:
             messages.insert(0, Message(role="system", content=self.args.system_prompt))
         conversation = sampler.conversation(messages)

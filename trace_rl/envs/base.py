@@ -119,7 +119,8 @@ class Environment:
         return Trace(
             id="", env=self.id, example_id=example.id, group_id="", agent=agent, trainable=trainable,
             branches=conversation.branches, messages=conversation.messages, reward=reward,
-            rewards=dict(rewards or {}), metrics={"turns": conversation.turns, **(metrics or {})}, info=dict(info or {}),
+            rewards=dict(rewards or {}), metrics={"turns": conversation.turns, **(metrics or {})},
+            info=dict(info or {}),
         )
 
 

@@ -52,6 +52,9 @@ class ReverseText(Environment):
         score = similarity(completion, answer)
         return [self.trace(
             example, conversation, reward=score, rewards={"similarity": score},
-            metrics={"exact": float(completion == answer), "truncated": float(conversation.last_finish_reason == "length")},
+            metrics={
+                "exact": float(completion == answer),
+                "truncated": float(conversation.last_finish_reason == "length"),
+            },
             info={"answer": answer},
         )]
