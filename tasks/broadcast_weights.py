@@ -7,7 +7,7 @@ from trace_rl.config import Config
 from trace_rl.session import session_for
 
 
-@task(name="broadcast_weights")
+@task(name="broadcast_weights", task_run_name="broadcast_weights")
 def broadcast_weights(config: Config, step: int) -> dict:
     """The actor samples with weights/<step> from the next step on."""
     return asyncio.run(stages.broadcast_weights(session_for(config), step))

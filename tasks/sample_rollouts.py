@@ -7,7 +7,7 @@ from trace_rl.config import Config
 from trace_rl.session import session_for
 
 
-@task(name="sample_rollouts")
+@task(name="sample_rollouts", task_run_name="sample_rollouts")
 def sample_rollouts(config: Config, step: int) -> dict:
     """Every env's groups with the actor, written to steps/<step>/traces.parquet."""
     return asyncio.run(stages.sample_rollouts(session_for(config), step))

@@ -5,7 +5,7 @@ from trace_rl.config import Config
 from trace_rl.session import session_for
 
 
-@task(name="train")
+@task(name="train", task_run_name="train")
 def train(config: Config, step: int, algorithm_states: dict[str, str]) -> dict:
     """One optimizer step; checkpoints/<step> and weights/<step>, each STABLE."""
     return stages.train(session_for(config), step, algorithm_states)

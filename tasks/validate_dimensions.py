@@ -5,7 +5,7 @@ from trace_rl.config import Config
 from trace_rl.session import session_for
 
 
-@task(name="validate_dimensions")
+@task(name="validate_dimensions", task_run_name="validate_dimensions")
 def validate_dimensions(config: Config, step: int, channel_paths: list[str]) -> dict:
     """Every channel checked against its branch; a failure names env, trace, branch and algorithm."""
     return stages.validate_dimensions(session_for(config), step, channel_paths)

@@ -1,0 +1,76 @@
+"""SIGKILL a real `trace-rl train` process at several points; resuming ends with bitwise-identical weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from tests.flows.conftest import small_config
+from trace_rl.storage import RunStorage
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def write_config(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(tomli_w.dumps(small_config(str(tmp_path / "runs"), name, steps=STEPS)))
+    return path
+
+
+def start(config: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trace_rl.cli", "train", str(config), *flags], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen) -> None:
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """SIGKILL the process (and its children) as soon as `ready()` holds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None, f"the run ended before the kill point: {process.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "kill point never reached"
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def weights(tmp_path: Path, name: str) -> bytes:
+    storage = RunStorage(str(tmp_path / "runs"), name)
+    return (Path(storage.path("weights", f"{STEPS:06d}")) / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path):
+    finish(start(write_config(tmp_path, "straight")))
+    expected = weights(tmp_path, "straight")
+
+    config = write_config(tmp_path, "killed")
+    storage = RunStorage(str(tmp_path / "runs"), "killed")
+    step_file = lambda step, name: lambda: storage.exists(storage.step_path(step, name))  # noqa: E731
+    # the upload takes milliseconds: this kill lands inside it or just after STABLE, both real crash points
+    checkpoint_writing = lambda: storage.exists(storage.path("checkpoints", "000002"))  # noqa: E731
+    kill_points = [
+        ("after sampling step 1", step_file(1, "traces.parquet")),
+        ("after writing the batch of step 1", step_file(1, "batch.parquet")),
+        ("during the checkpoint write of step 2", checkpoint_writing),
+        ("after the weights of step 2", lambda: storage.is_stable(storage.path("weights", "000002"))),
+    ]
+    flags: tuple[str, ...] = ()
+    for _, ready in kill_points:
+        kill_when(start(config, *flags), ready)
+        flags = ("--resume",)
+    finish(start(config, "--resume"))
+    assert storage.stable_steps("weights") == [1, 2, 3]
+    assert weights(tmp_path, "killed") == expected

@@ -1,0 +1,107 @@
+"""The step flow against a real Prefect server: stage order, resume of a failed step, replay."""
+
+from __future__ import annotations
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+from tests.flows.conftest import small_config
+from trace_rl.config import validate_config
+from trace_rl.run import RunExistsError
+from trace_rl.storage import RunStorage
+
+STAGES = ["sample_rollouts", "grpo", "validate_dimensions", "aggregate_channels", "write_batch", "train",
+          "broadcast_weights"]
+
+
+def step_runs(api: str, run_name: str) -> list[dict]:
+    """The train_step flow runs of a run, oldest first, each with its task runs in start order."""
+    flow_runs = httpx.post(f"{api}/flow_runs/filter", json={
+        "flow_runs": {"name": {"like_": f"{run_name}-step-"}}, "sort": "START_TIME_ASC"}).json()
+    for flow_run in flow_runs:
+        tasks = httpx.post(f"{api}/task_runs/filter", json={
+            "flow_runs": {"id": {"any_": [flow_run["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}).json()
+        flow_run["tasks"] = [(t["name"], t["state"]["name"]) for t in tasks]
+    return flow_runs
+
+
+@pytest.fixture(scope="module")
+def finished_run(prefect_api, tmp_path_factory):
+    from flows.train import run_training
+
+    config = validate_config(small_config(str(tmp_path_factory.mktemp("runs")), "ordered"))
+    run_training(config)
+    return config
+
+
+def test_step_flows_run_the_seven_stages_in_order(prefect_api, finished_run):
+    runs = step_runs(prefect_api, "ordered")
+    assert [r["name"] for r in runs] == ["ordered-step-1", "ordered-step-2"]
+    for run in runs:
+        assert run["state"]["name"] == "Completed"
+        assert [name for name, _ in run["tasks"]] == STAGES
+        assert {state for _, state in run["tasks"]} == {"Completed"}
+
+
+def test_a_finished_run_has_its_files_and_metrics(finished_run):
+    storage = RunStorage(finished_run.storage, finished_run.name)
+    assert storage.stable_steps("checkpoints") == [1, 2]
+    assert storage.stable_steps("weights") == [1, 2]
+    metrics = storage.read_json(storage.step_path(2, "metrics.json"))
+    assert metrics["step"] == 2
+    assert metrics["batch/samples"] == 8  # 2 examples x 4 rollouts, one branch each
+    assert {"rollouts/reverse-text/reward_mean", "channel/grpo/tokens", "train/loss/rl", "time/train"} <= set(metrics)
+    assert storage.exists(storage.path("plots", "reward.png"))
+
+
+def test_a_new_run_refuses_an_existing_directory(finished_run):
+    from trace_rl.run import prepare_run
+
+    with pytest.raises(RunExistsError, match="--resume.*--overwrite"):
+        prepare_run(finished_run, "new")
+
+
+def test_failed_train_then_resume_reuses_the_finished_stages(prefect_api, tmp_path):
+    from flows.train import run_training
+
+    config = validate_config(small_config(str(tmp_path), "retried", steps=1))
+    storage = RunStorage(config.storage, config.name)
+    blocker = storage.path("checkpoints")
+    storage.fs.makedirs(storage.root, exist_ok=True)
+    storage.fs.pipe(blocker, b"a file where the checkpoint directory must go")  # the train stage cannot write
+    with pytest.raises(Exception):
+        run_training(config, resume=True)  # the directory exists (it holds the blocker), so resume, not new
+    storage.fs.rm(blocker)
+    run_training(config, resume=True)
+
+    failed, resumed = step_runs(prefect_api, "retried")
+    assert failed["state"]["name"] == "Failed"
+    assert dict(failed["tasks"])["train"] == "Failed"
+    assert resumed["tasks"] == [(name, "Cached") for name in STAGES[:5]] + [("train", "Completed"),
+                                                                             ("broadcast_weights", "Completed")]
+    assert storage.stable_steps("weights") == [1]
+
+
+def test_replay_with_the_runs_own_algorithms_reproduces_its_batches(prefect_api, finished_run, tmp_path):
+    from flows.replay import replay
+    from trace_rl.algorithms.base import AlgorithmConfig
+
+    source = RunStorage(finished_run.storage, finished_run.name)
+    out = f"{tmp_path}/replayed"
+    summaries = replay(run=source.url, algorithms=[AlgorithmConfig(id="grpo")], out=out)
+    assert [s["step"] for s in summaries] == [1, 2]
+    for step in (1, 2):
+        original = pq.read_table(source.step_path(step, "batch.parquet"))
+        replayed = pq.read_table(RunStorage.from_url(out).step_path(step, "batch.parquet"))
+        assert replayed.equals(original)
+    assert summaries[0]["replayed"] == summaries[0]["original"]
+
+
+def test_replay_never_writes_over_the_source_run(prefect_api, finished_run):
+    from flows.replay import replay
+    from trace_rl.algorithms.base import AlgorithmConfig
+
+    source = RunStorage(finished_run.storage, finished_run.name)
+    with pytest.raises(ValueError, match="never writes over"):
+        replay(run=source.url, algorithms=[AlgorithmConfig(id="rl")], out=source.url)
