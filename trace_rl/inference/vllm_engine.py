@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
 from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
 from trace_rl.tiny import resolve_model_path
@@ -57,6 +58,7 @@ class EngineWorker:
             seed=config.seed,
             logprobs_mode="processed_logprobs",
             max_logprobs=-1,
+            worker_extension_cls=EXTENSION,
             **memory,
         )
 
@@ -191,7 +193,7 @@ class VLLMEngineRuntime:
     async def load_weights(self, local_dir: str, version: int) -> None:
         """Check the new weights, then reload them in place between two engine steps."""
         check_weights(local_dir, self._expected)
-        call = lambda llm: llm.collective_rpc("reload_weights", kwargs={"weights_path": local_dir})  # noqa: E731
+        call = lambda llm: llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": local_dir})  # noqa: E731
         await asyncio.wrap_future(self.worker.call(call))
         self.policy_version = version
 

@@ -6,8 +6,10 @@ logprobs, which are the processed ones when the server runs with
 `--logprobs-mode processed_logprobs`. Scoring uses `prompt_logprobs` with
 `max_tokens = 1`. Several URLs are used round-robin for generation; `score` takes an
 explicit endpoint so callers can spread scoring. Weight reloads use the server's
-dev-mode routes (`VLLM_SERVER_DEV_MODE=1`): pause, `collective_rpc reload_weights`,
-resume; the weights directory must be readable by the server at the same path.
+dev-mode routes (`VLLM_SERVER_DEV_MODE=1`): pause, `collective_rpc` of the reload
+method of `trace_rl.inference.vllm_worker` (start the server with its
+`--worker-extension-cls`), resume; the weights directory must be readable by the
+server at the same path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import httpx
 import numpy as np
 
 from trace_rl.inference.vllm_engine import prompt_logprobs_at
+from trace_rl.inference.vllm_worker import RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
 from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
 from trace_rl.tiny import resolve_model_path
@@ -93,16 +96,16 @@ class VLLMServerRuntime:
         return prompt_logprobs_at(token_ids, positions, temperature)
 
     async def load_weights(self, local_dir: str, version: int) -> None:
-        """Check the new weights, then on every endpoint: pause (letting in-flight requests
-        finish on the old weights), reload, and resume, which always runs."""
-        check_weights(local_dir, self._expected)
+        """On every endpoint: pause (letting in-flight requests finish on the old weights),
+        check the new weights, reload, and resume, which always runs."""
         await asyncio.gather(*(self._reload_endpoint(url, local_dir) for url in self.base_urls))
         self.policy_version = version
 
     async def _reload_endpoint(self, base_url: str, local_dir: str) -> None:
         await self._post(base_url, "/pause", params={"mode": "wait"})
         try:
-            payload = {"method": "reload_weights", "kwargs": {"weights_path": local_dir}}
+            check_weights(local_dir, self._expected)
+            payload = {"method": RELOAD_METHOD, "kwargs": {"weights_path": local_dir}}
             await self._post(base_url, "/collective_rpc", payload)
         finally:
             await self._post(base_url, "/resume")

@@ -1,0 +1,82 @@
+"""Weight broadcast into the in-process samplers: new weights become visible (logprobs change and
+match the trainer's for the new weights), failures leave the old weights, object storage is staged."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import numpy as np
+import pytest
+from safetensors.torch import save_file
+import torch
+
+from tests.inference.conftest import UPDATED_STEP, save_updated_model, trainer_logprobs
+from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
+from trace_rl.storage import RunStorage
+
+TOLERANCE = 2e-4
+
+
+@pytest.fixture
+def restore(runtime, tiny_model_path):
+    """Put the runtime back on the tiny model's own weights (the vLLM engine is shared by the session)."""
+    yield runtime
+    asyncio.run(runtime.load_weights(tiny_model_path, 0))
+    runtime.policy_version = 0
+
+
+def test_broadcast_makes_new_weights_visible(restore, updated_weights, prompt_ids, tiny_model_path):
+    runtime = restore
+    tokens = prompt_ids + [70, 71, 72, 73]
+    before = asyncio.run(runtime.score(tokens))
+    asyncio.run(broadcast_weights(runtime, updated_weights, UPDATED_STEP))
+    assert runtime.policy_version == UPDATED_STEP
+    after = asyncio.run(runtime.score(tokens))
+    new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
+    assert np.abs(after - before).max() > 1e-2
+    np.testing.assert_allclose(after, trainer_logprobs(new_dir, tokens, 1.0), atol=TOLERANCE)
+    generation = asyncio.run(runtime.generate(prompt_ids, temperature=0.8, max_tokens=12, top_p=1.0, seed=1))
+    expected = trainer_logprobs(new_dir, prompt_ids + generation.token_ids, 0.8)[len(prompt_ids):]
+    np.testing.assert_allclose(generation.logprobs, expected, atol=TOLERANCE)
+
+
+def write_wrong_shapes(storage: RunStorage, step: int, base_dir: str) -> None:
+    """A STABLE weights directory whose embedding has the wrong shape."""
+    with tempfile.TemporaryDirectory() as staging:
+        save_updated_model(base_dir, staging)
+        save_file({"model.embed_tokens.weight": torch.zeros(3, 128)}, f"{staging}/model.safetensors")
+        storage.upload_dir(staging, storage.path("weights", f"{step:06d}"))
+
+
+def test_failed_broadcast_keeps_old_weights_and_names_step_and_backend(restore, tmp_path, prompt_ids, tiny_model_path):
+    runtime = restore
+    storage = RunStorage(str(tmp_path), "failing")
+    storage.fs.makedirs(storage.path("weights", "000003"))  # exists but never marked STABLE
+    write_wrong_shapes(storage, 4, tiny_model_path)
+    tokens = prompt_ids + [70, 71]
+    before = asyncio.run(runtime.score(tokens))
+    backend = "vllm in-process engine" if runtime.config.backend == "vllm" else "hf in-process model"
+    for step, reason in [(2, "not STABLE"), (3, "not STABLE"), (4, "shape mismatch")]:
+        with pytest.raises(BroadcastError) as failure:
+            asyncio.run(broadcast_weights(runtime, storage, step))
+        message = str(failure.value)
+        assert f"step {step}" in message and backend in message and reason in message
+        assert runtime.policy_version == 0
+        np.testing.assert_array_equal(asyncio.run(runtime.score(tokens)), before)
+
+
+def test_broadcast_stages_object_storage_weights_locally(hf_runtime, s3_server, updated_weights, prompt_ids,
+                                                         tiny_model_path):
+    storage = RunStorage(f"s3://{s3_server['bucket']}", "staged", s3_server["storage_options"])
+    local = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
+    storage.upload_dir(local, storage.path("weights", "000005"))
+    tokens = prompt_ids + [80, 81]
+    try:
+        asyncio.run(broadcast_weights(hf_runtime, storage, 5))
+        assert hf_runtime.policy_version == 5
+        np.testing.assert_allclose(asyncio.run(hf_runtime.score(tokens)), trainer_logprobs(local, tokens, 1.0),
+                                   atol=TOLERANCE)
+    finally:
+        asyncio.run(hf_runtime.load_weights(tiny_model_path, 0))
+        hf_runtime.policy_version = 0
