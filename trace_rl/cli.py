@@ -56,6 +56,19 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    config = _load(args)
+    from trace_rl.prefect_server import ensure_api_url
+
+    api_url = ensure_api_url(config.prefect.api_url)
+    print(f"serving deployments of {config.name!r}; start runs from the UI: {api_url.removesuffix('/api')}",
+          file=sys.stderr)
+    from flows.serve import serve_config
+
+    serve_config(config, cron=args.cron)
+    return 0
+
+
 def cmd_server(args) -> int:
     from trace_rl import prefect_server
 
@@ -100,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--resume", action="store_true", help="continue an existing run from its latest checkpoint")
     mode.add_argument("--overwrite", action="store_true", help="wipe an existing run directory first")
     train.set_defaults(func=cmd_train)
+
+    serve = sub.add_parser("serve", help="serve the train and replay flows as deployments (runs start from the UI)")
+    _add_config_args(serve)
+    serve.add_argument("--cron", help='a schedule for the training deployment, e.g. "0 * * * *"')
+    serve.set_defaults(func=cmd_serve)
 
     replay = sub.add_parser("replay", help="run saved traces through new algorithms into new batches, offline")
     replay.add_argument("--run", required=True, help="the source run: <storage>/<name>")

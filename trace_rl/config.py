@@ -26,7 +26,8 @@ class ModelConfig(Strict):
     """The trained model (`[model]`); at run time its key is `policy`."""
 
     name: str = Field("tiny", description="HF id, local directory, or 'tiny' (built offline, see docs/models.md)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights dtype in the trainer and sampler (bfloat16 on GPUs)")
 
 
 class ExtraModelConfig(ModelConfig):
@@ -38,32 +39,39 @@ class ExtraModelConfig(ModelConfig):
 
 
 class InferenceConfig(Strict):
-    backend: Literal["vllm", "hf"] = "vllm"
+    """The policy's sampler (`[inference]`)."""
+
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm", description="vllm: in-process vLLM engine (or a server with base_url); hf: transformers generate")
     base_url: str | None = Field(None, description="a running vLLM OpenAI-compatible server for the policy")
-    max_model_len: int = Field(1024, gt=0)
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    max_model_len: int = Field(1024, gt=0, description="longest sequence (prompt + completion) the engine serves")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
     cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
-    enforce_eager: bool = True
+    enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation (faster start)")
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
-    request_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0, description="one generate/score call; past it: a retryable error")
     max_retries: int = Field(3, ge=0, description="retries of a retryable rollout error, with backoff")
     retry_backoff_s: float = Field(1.0, ge=0, description="backoff before the first retry; doubles each retry")
 
 
 class SamplingConfig(Strict):
-    temperature: float = Field(1.0, gt=0)
-    max_completion_tokens: int = Field(64, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    """`[sampling]`, overridable per env with `[env.sampling]`; recorded on every branch."""
+
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; trainer logprobs use the same")
+    max_completion_tokens: int = Field(64, gt=0, description="tokens per model turn")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
 
 
 class EnvConfig(Strict):
-    id: str
+    """One `[[env]]` entry."""
+
+    id: str = Field(..., description="a builtin env id (docs/envs.md) or 'package.module:Class'")
     batch_size: int = Field(8, gt=0, description="examples per step")
     group_size: int = Field(8, gt=0, description="rollouts per example")
     algorithms: list[AlgorithmConfig] | None = Field(None, description="replaces the top-level list for this env")
     args: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
     server: str | None = Field(None, description="URL of a remote env server for env-owned algorithms")
-    sampling: SamplingConfig | None = None
+    sampling: SamplingConfig | None = Field(None, description="replaces [sampling] for this env")
 
     @field_validator("algorithms", mode="before")
     @classmethod
@@ -72,26 +80,32 @@ class EnvConfig(Strict):
 
 
 class LossConfig(Strict):
-    dppo_mask_low: float = Field(0.2, ge=0)
-    dppo_mask_high: float = Field(0.2, ge=0)
-    kl_tau: float = Field(1e-3, ge=0)
+    """`[trainer.loss]`: see docs/trainer.md for the formulas."""
+
+    dppo_mask_low: float = Field(0.2, ge=0, description="drop A<0 tokens whose probability fell by more than this")
+    dppo_mask_high: float = Field(0.2, ge=0, description="drop A>0 tokens whose probability rose by more than this")
+    kl_tau: float = Field(1e-3, ge=0, description="weight of the log-ratio**2 penalty on rl tokens")
 
 
 class TrainerConfig(Strict):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
-    micro_batch_tokens: int = Field(4096, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    """`[trainer]`: one AdamW step per training step, see docs/trainer.md."""
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in steps")
+    micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
     num_processes: int = Field(1, gt=0, description="torchrun workers; > 1 launches the trainer as a subprocess")
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    loss: LossConfig = Field(default_factory=LossConfig)
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="with num_processes > 1: DDP or FSDP2 (fully_shard)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    loss: LossConfig = Field(default_factory=LossConfig, description="[trainer.loss]")
 
 
 class CheckpointConfig(Strict):
+    """`[ckpt]`: which checkpoints stay (weights/<step> stay for every step)."""
+
     keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints")
     interval: int = Field(0, ge=0, description="also keep every interval-th checkpoint (0: none)")
 
@@ -107,26 +121,31 @@ class RemoteConfig(Strict):
 
 
 class PrefectConfig(Strict):
+    """`[prefect]`; PREFECT_API_URL in the environment wins over it."""
+
     api_url: str | None = Field(None, description="a Prefect server to use instead of the embedded one")
 
 
 class Config(Strict):
+    """A training run (the top level of the TOML file)."""
+
     name: str = Field(..., min_length=1, description="run name: the run lives at <storage>/<name>/")
-    steps: int = Field(10, gt=0)
-    seed: int = 0
+    steps: int = Field(10, gt=0, description="training steps, numbered from 1")
+    seed: int = Field(0, description="seeds sampling, data and the trainer: same config + seed, same weights")
     storage: str = Field("runs", description="fsspec URL or local path")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, e.g. S3 endpoint")
-    actor: str = Field(POLICY, description="which model samples rollouts")
-    algorithms: list[AlgorithmConfig] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")])
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    models: dict[str, ExtraModelConfig] = Field(default_factory=dict)
-    inference: InferenceConfig = Field(default_factory=InferenceConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    env: list[EnvConfig] = Field(..., min_length=1)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    prefect: PrefectConfig = Field(default_factory=PrefectConfig)
-    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    actor: str = Field(POLICY, description="which model samples rollouts: 'policy' or a [models.<key>] with tokens")
+    algorithms: list[AlgorithmConfig] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=
+                                              "default for every env: ids or {id = ..., <options>} tables")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="[model]: the trained model (key policy)")
+    models: dict[str, ExtraModelConfig] = Field(default_factory=dict, description="[models.<key>]: other models")
+    inference: InferenceConfig = Field(default_factory=InferenceConfig, description="[inference]")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="[sampling]")
+    env: list[EnvConfig] = Field(..., min_length=1, description="[[env]]: at least one environment")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="[trainer]")
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="[ckpt]")
+    prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="[prefect]")
+    remote: RemoteConfig = Field(default_factory=RemoteConfig, description="[remote]")
 
     @field_validator("algorithms", mode="before")
     @classmethod
