@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from trace_rl.config import Config
 from trace_rl.storage import RunStorage, step_name
 
-TABLE_COLUMNS = ("reward_mean", "reward_std", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
+TABLE_COLUMNS = ("reward_mean", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
                  "train/loss/ce", "train/mismatch_kl", "train/grad_norm", "time/step")
 
 
@@ -26,13 +26,11 @@ def reward_mean(metrics: dict) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def history(storage: RunStorage, upto: int) -> list[dict]:
-    rows = []
-    for step in range(1, upto + 1):
-        path = storage.step_path(step, "metrics.json")
-        if storage.exists(path):
-            rows.append(storage.read_json(path))
-    return rows
+def history(config: Config, upto: int) -> list[dict]:
+    """The metrics of steps 1..upto that exist (what a resumed run shows as its past)."""
+    storage = RunStorage(config.storage, config.name, config.storage_options)
+    paths = [storage.step_path(step, "metrics.json") for step in range(1, upto + 1)]
+    return [storage.read_json(p) for p in paths if storage.exists(p)]
 
 
 def reward_plot(rows: list[dict]) -> bytes:
@@ -53,21 +51,20 @@ def reward_plot(rows: list[dict]) -> bytes:
     return out.getvalue()
 
 
-def publish_step(config: Config, step: int, metrics: dict) -> None:
+def publish(config: Config, rows: list[dict]) -> None:
+    """The metrics table and the reward curve of every step so far, under the run's stable keys."""
     storage = RunStorage(config.storage, config.name, config.storage_options)
-    rows = history(storage, step)
     table = [{"step": r["step"], "reward_mean": round(reward_mean(r), 4),
               **{c: round(r[c], 4) for c in TABLE_COLUMNS[1:] if c in r}} for r in rows]
     create_table_artifact(key=artifact_key(config, "metrics"), table=table,
                           description=f"{config.name}: metrics per step")
     png = reward_plot(rows)
-    plot_path = storage.path("plots", "reward.png")
-    storage.write_atomic(plot_path, png)
+    storage.write_atomic(storage.path("plots", "reward.png"), png)
     encoded = base64.b64encode(png).decode()
     create_markdown_artifact(
         key=artifact_key(config, "reward-curve"),
         markdown=f"### {config.name}: mean reward by step\n\n![reward](data:image/png;base64,{encoded})\n\n"
-                 f"Stored at `{storage.url_of('plots', 'reward.png')}`; step {step_name(step)}.",
+                 f"Stored at `{storage.url_of('plots', 'reward.png')}`; last step {step_name(rows[-1]['step'])}.",
         description=f"{config.name}: reward curve",
     )
 

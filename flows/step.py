@@ -6,7 +6,7 @@ import time
 
 from prefect import flow, get_run_logger
 
-from flows.artifacts import publish_step
+from flows.heartbeat import heartbeats
 from tasks.aggregate_channels import aggregate_channels
 from tasks.broadcast_weights import broadcast_weights
 from tasks.run_algorithm import run_algorithm
@@ -22,6 +22,11 @@ from trace_rl.session import session_for
 
 @flow(name="train_step", flow_run_name="{config.name}-step-{step}", log_prints=True)
 def train_step(config: Config, step: int) -> dict:
+    with heartbeats():
+        return run_stages(config, step)
+
+
+def run_stages(config: Config, step: int) -> dict:
     logger = get_run_logger()
     resumable = stage_options(config)
     timings: dict[str, float] = {}
@@ -51,7 +56,6 @@ def train_step(config: Config, step: int) -> dict:
 
     metrics = step_metrics(step, rollouts, algorithms, aggregated, trained, timings)
     stages.write_metrics(session_for(config), step, metrics)
-    publish_step(config, step, metrics)
     return {"step": step, "batch": batch["batch"], "weights": trained["weights"], "reused": reused, "metrics": metrics}
 
 

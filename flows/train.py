@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from flows.artifacts import reward_mean, start_progress, update_progress
+from flows.artifacts import history, publish, reward_mean, start_progress, update_progress
+from flows.heartbeat import child_heartbeats_from_here
 from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.run import prepare_run
@@ -28,28 +29,31 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     _, first = prepare_run(config, "resume" if retrying else mode)
     if first > 1:
         logger.info("continuing %s at step %d of %d", config.name, first, config.steps)
+    rows = history(config, first - 1)
     progress = start_progress(config, first - 1)
     console = Console(stderr=True)
-    rows = []
-    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as bar:
-        task = bar.add_task(f"{config.name}", total=config.steps, completed=first - 1, last="")
+    done: list[tuple] = []
+    with child_heartbeats_from_here(), Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"),
+                                                 console=console) as bar:
+        task = bar.add_task(config.name, total=config.steps, completed=first - 1, last="")
         for step in range(first, config.steps + 1):
             started = time.perf_counter()
             result = train_step(config, step)
-            metrics = result["metrics"]
-            row = (step, reward_mean(metrics), metrics.get("train/loss/rl", 0.0), time.perf_counter() - started,
-                   ", ".join(result["reused"]))
-            rows.append(row)
-            bar.update(task, advance=1, last=f"step {step}: reward {row[1]:.3f}")
+            metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
+            rows.append(metrics)
+            done.append((step, reward_mean(metrics), metrics.get("train/loss/rl", 0.0), metrics["time/step"],
+                         ", ".join(result["reused"])))
+            publish(config, rows)
             update_progress(progress, config, step)
-    console.print(reward_table(config, rows))
-    return [{"step": r[0], "reward_mean": r[1]} for r in rows]
+            bar.update(task, advance=1, last=f"step {step}: reward {done[-1][1]:.3f}")
+    console.print(reward_table(config, done))
+    return [{"step": d[0], "reward_mean": d[1]} for d in done]
 
 
 def reward_table(config: Config, rows: list[tuple]) -> Table:
     table = Table(title=f"{config.name}: reward per step")
     for column in ("step", "mean reward", "rl loss", "seconds", "reused stages"):
-        table.add_column(column, justify="right" if column != "reused stages" else "left")
+        table.add_column(column, justify="left" if column == "reused stages" else "right")
     for step, reward, loss, seconds, reused in rows:
         table.add_row(str(step), f"{reward:.3f}", f"{loss:+.4f}", f"{seconds:.1f}", reused)
     return table
