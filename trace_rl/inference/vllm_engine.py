@@ -6,7 +6,8 @@ request's future when it finishes. Async callers await those futures from any ev
 loop, so rollouts of many steps (each maybe under its own `asyncio.run`) share one
 engine. (vLLM's `AsyncLLM` binds its output handler to the loop it first ran on, which
 breaks when a later step runs a new loop.) Weight reloads run on the same thread
-between engine steps, so no request ever sees half-loaded weights.
+between engine steps, so no forward pass sees half-loaded weights; a request still in
+flight continues on the new weights, so broadcast between rollout steps.
 """
 
 from __future__ import annotations
