@@ -16,7 +16,7 @@ per branch, so compression does not flatter the figures), written and read back 
 to/from Arrow included), for the file's bytes and for the Arrow table's bytes; tokens/s too.
 Storage: local disk, and S3 served by moto on loopback.
 
-Best of `repeats` per figure.
+Best of 5 per weight figure, of 3 per Parquet figure.
 
     python -m bench.io
 """
@@ -176,11 +176,11 @@ def parquet_throughput(storages: dict[str, tuple[str, dict]], repeats: int) -> d
     return {"tokens": tokens, "rows": {"traces": len(traces), "batch": len(samples)}, "tables": results}
 
 
-def run(repeats: int = 3) -> dict:
+def run(repeats: int = 3, weight_repeats: int = 5) -> dict:
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-io-") as tmp, s3_server() as s3_options:
         os.environ.setdefault("TRACE_RL_CACHE", os.path.join(tmp, "cache"))
         storages = {"local": (os.path.join(tmp, "runs"), {}), "s3": (f"s3://{BUCKET}/runs", s3_options)}
-        return {"weights": weight_broadcast(tmp, storages, repeats), "parquet": parquet_throughput(storages, repeats),
+        return {"weights": weight_broadcast(tmp, storages, weight_repeats), "parquet": parquet_throughput(storages, repeats),
                 "load_average": os.getloadavg()[0]}
 
 

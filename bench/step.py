@@ -6,11 +6,16 @@ byte tokenizer; `trace_rl.tiny`), sampled with transformers generate (`inference
 32 completion tokens at temperature 1, grpo, one optimizer step per training step
 (micro-batches of 4096 tokens, lr 1e-3), checkpoint and weight export every step.
 
-The same steps run twice in one process, interleaved step by step so machine load hits
-both alike: through the real `train_step` Prefect flow (an embedded Prefect server on a
-free loopback port, state in a temporary TRACE_RL_HOME) and through the library alone
-(`trace_rl.step.run_step`). Both are timed by the same stage clocks (bench/timers.py).
-Step 1 loads models and builds the trainer, so only steps 2.. count ("warm" steps).
+The same steps run twice in one process, as two runs: a real Prefect run
+(`flows.train.run_training`: the `train` flow with one `train_step` subflow per step, against
+an embedded Prefect server on a free loopback port, state in a temporary TRACE_RL_HOME), and
+the library alone (`trace_rl.step.run_step`). They are interleaved step by step, so the load
+of a shared machine hits both alike: the run flow's `train_step` is wrapped so that step `s`
+of the library run executes right next to subflow `s` (before it on even steps, after it on
+odd ones). Both are timed by the same stage clocks (bench/timers.py); the run flow's own work
+around its subflows (setup, progress, artifacts) is spread over the steps. Step 1 loads
+models and builds the trainer, so only steps 2.. count ("warm" steps). The two runs sample
+the same rollouts (same seeds), so their rewards match step for step.
 
 - Prefect overhead: flow step minus library step, as a fraction of the library step;
   also measured as the time the flow spends outside the stage functions (task runs, cache
@@ -34,6 +39,7 @@ from bench.timers import pipeline_timers
 
 TARGET_OVERHEAD = 0.05
 REWARD_KEY = "rollouts/reverse-text/reward_mean"
+RUN_FLOW_WORK = ("publish", "update_progress")  # what flows.train does per step around its subflow
 STEPS = 4
 REFERENCE = {
     "model": "tiny", "backend": "hf", "env": "reverse-text", "examples_per_step": 8, "group_size": 8,
@@ -73,8 +79,13 @@ def use_private_prefect(home: str) -> None:
     os.environ.pop("PREFECT_API_URL", None)
 
 
+def server_cpu_seconds(process) -> float:
+    """CPU seconds of the Prefect server process and its children (the server competes for the same cores)."""
+    return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
+
+
 def stage_seconds(timed: dict[str, float]) -> float:
-    return sum(v for k, v in timed.items() if not k.startswith(("io/", "trainer/")))
+    return sum(v for k, v in timed.items() if not k.startswith(("io/", "trainer/", "flow/")))
 
 
 def io_seconds(timed: dict[str, float]) -> float:
@@ -86,6 +97,8 @@ def summarize(rows: list[dict]) -> dict:
     labels = sorted({k for r in rows for k in r["timed"]})
     return {
         "wall": statistics.median(r["wall"] for r in rows),
+        "run_flow_work": statistics.median(sum(v for k, v in r["timed"].items() if k.startswith("flow/"))
+                                           for r in rows),
         "best_wall": min(r["wall"] for r in rows),
         "inside_stages": statistics.median(stage_seconds(r["timed"]) for r in rows),
         "outside_stages": statistics.median(r["wall"] - stage_seconds(r["timed"]) for r in rows),
@@ -95,14 +108,21 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run(steps: int = STEPS) -> dict:
-    """Interleave `steps` flow steps and `steps` library steps; overhead ratios over the warm steps."""
+    """A `steps`-step Prefect run and a library run, interleaved; overhead ratios over the warm steps."""
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-step-") as home:
         use_private_prefect(home)
         from trace_rl import prefect_server
 
-        os.environ["PREFECT_API_URL"] = prefect_server.start()["api_url"]
+        server = prefect_server.start()
+        os.environ["PREFECT_API_URL"] = server["api_url"]
         try:
-            return measure(home, steps)
+            import psutil
+
+            server_cpu = server_cpu_seconds(psutil.Process(server["pid"]))
+            result = measure(home, steps)
+            result["prefect_server_cpu_seconds_per_step"] = (
+                server_cpu_seconds(psutil.Process(server["pid"])) - server_cpu) / steps
+            return result
         finally:
             from prefect.logging.handlers import APILogWorker
 
@@ -110,65 +130,115 @@ def run(steps: int = STEPS) -> dict:
             prefect_server.stop()
 
 
-def measure(home: str, steps: int) -> dict:
-    from flows.step import train_step
+def library_stepper(config, timers):
+    """A function running step `s` of `config` through `trace_rl.step.run_step` alone, timed."""
     from trace_rl.run import prepare_run
     from trace_rl.session import session_for
     from trace_rl.step import run_step
 
-    storage = os.path.join(home, "runs")
-    configs = {kind: reference_config(storage, f"bench-{kind}", steps) for kind in ("flow", "library")}
-    for config in configs.values():
-        prepare_run(config, "new")
-    runners = {
-        "flow": lambda step: train_step(configs["flow"], step),
-        "library": lambda step: run_step(session_for(configs["library"]), step),
-    }
+    prepare_run(config, "new")
+    session = session_for(config)
+
+    def step_once(step: int) -> dict:
+        timers.take()
+        started = time.perf_counter()
+        result = run_step(session, step)
+        return {"step": step, "wall": time.perf_counter() - started, "timed": timers.take(),
+                "reward": result["rollouts"]["metrics"][REWARD_KEY]}
+
+    return step_once
+
+
+def run_interleaved(flow_config, library_step, timers) -> dict:
+    """The run through `flows.train.run_training`, each `train_step` subflow timed, and next to each
+    (before it on even steps, after it on odd ones) the same step of the library run."""
+    import flows.train
+
     rows: dict[str, list[dict]] = {"flow": [], "library": []}
-    flow_clock: list[dict] = []
-    rewards: dict[str, list[float]] = {"flow": [], "library": []}
-    loads = []
+    subflow = flows.train.train_step
+
+    def attach_around() -> None:  # the run flow's timed work since the previous subflow (publish, progress)
+        around = timers.take()
+        if rows["flow"]:
+            rows["flow"][-1]["timed"].update({k: v for k, v in around.items() if k.startswith("flow/")})
+
+    def timed_step(config, step):
+        attach_around()
+        if step % 2 == 0:
+            rows["library"].append(library_step(step))
+        timers.take()
+        started = time.perf_counter()
+        result = subflow(config, step)
+        rows["flow"].append({"step": step, "wall": time.perf_counter() - started, "timed": timers.take(),
+                             "reward": result["metrics"][REWARD_KEY],
+                             "flow_clock": {k.removeprefix("time/"): v for k, v in result["metrics"].items()
+                                            if k.startswith("time/")}})
+        if step % 2 == 1:
+            rows["library"].append(library_step(step))
+        return result
+
+    flows.train.train_step = timed_step
+    for name in RUN_FLOW_WORK:
+        timers.patch(flows.train, name, lambda args, kwargs, name=name: f"flow/{name}")
+    try:
+        started = time.perf_counter()
+        flows.train.run_training(flow_config)
+        total = time.perf_counter() - started
+        attach_around()
+    finally:
+        flows.train.train_step = subflow
+    library_total = sum(r["wall"] for r in rows["library"])
+    return {"rows": rows, "flow_total": total - library_total, "library_total": library_total}
+
+
+def measure(home: str, steps: int) -> dict:
+    storage = os.path.join(home, "runs")
     with pipeline_timers() as timers:
-        for step in range(1, steps + 1):
-            order = ("flow", "library") if step % 2 else ("library", "flow")
-            for kind in order:
-                timers.take()
-                started = time.perf_counter()
-                result = runners[kind](step)
-                wall = time.perf_counter() - started
-                rows[kind].append({"step": step, "wall": wall, "timed": timers.take()})
-                loads.append(os.getloadavg()[0])
-                if kind == "flow":
-                    metrics = result["metrics"]
-                    flow_clock.append({k.removeprefix("time/"): v for k, v in metrics.items()
-                                       if k.startswith("time/")})
-                    rewards[kind].append(metrics[REWARD_KEY])
-                else:
-                    rewards[kind].append(result["rollouts"]["metrics"][REWARD_KEY])
-    warm = {kind: summarize(r[1:]) for kind, r in rows.items()}
+        load_before = os.getloadavg()[0]
+        library_step = library_stepper(reference_config(storage, "bench-library", steps), timers)
+        interleaved = run_interleaved(reference_config(storage, "bench-flow", steps), library_step, timers)
+        loads = [load_before, os.getloadavg()[0]]
+    runs = {"flow": {"rows": interleaved["rows"]["flow"], "total": interleaved["flow_total"]},
+            "library": {"rows": interleaved["rows"]["library"], "total": interleaved["library_total"]}}
+    warm = {kind: summarize(r["rows"][1:]) for kind, r in runs.items()}
     flow, library = warm["flow"], warm["library"]
-    prefect_overhead = flow["wall"] / library["wall"] - 1
-    prefect_outside = (flow["outside_stages"] - library["outside_stages"]) / library["wall"]
+    # the run flow's own work around its step subflows (run setup, progress, artifacts), per step
+    flow_run_extra = (runs["flow"]["total"] - sum(r["wall"] for r in runs["flow"]["rows"])) / steps
+    prefect_overhead = (flow["wall"] + flow_run_extra) / library["wall"] - 1
+    prefect_outside = (flow["outside_stages"] + flow_run_extra - library["outside_stages"]) / library["wall"]
     storage_share = library["parquet_io"] / library["wall"]
+    flow_clock = [r["flow_clock"] for r in runs["flow"]["rows"][1:]]
     return {
         "workload": REFERENCE, "steps": steps, "warm_steps": steps - 1,
-        "first_step_wall": {kind: r[0]["wall"] for kind, r in rows.items()},
+        "first_step_wall": {kind: r["rows"][0]["wall"] for kind, r in runs.items()},
+        "total_wall": {kind: r["total"] for kind, r in runs.items()},
         "warm": warm,
-        "flow_task_clock": {k: statistics.median(c.get(k, 0.0) for c in flow_clock[1:]) for k in flow_clock[0]},
+        "flow_run_extra_per_step": flow_run_extra,
+        "flow_task_clock": {k: statistics.median(c.get(k, 0.0) for c in flow_clock) for k in flow_clock[0]},
         "prefect_overhead": prefect_overhead,
         "prefect_overhead_outside_stages": prefect_outside,
         "storage_overhead": storage_share,
         "total_overhead": prefect_outside + storage_share,
         "target_overhead": TARGET_OVERHEAD,
         "meets_target": prefect_outside + storage_share < TARGET_OVERHEAD,
-        "rewards": rewards,
+        "rewards": {kind: [row["reward"] for row in r["rows"]] for kind, r in runs.items()},
         "load_average": max(loads),
-        "steps_raw": rows,
+        "steps_raw": {kind: r["rows"] for kind, r in runs.items()},
     }
 
 
 def main() -> None:
-    r = run()
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--json", help="also write the full result here")
+    args = parser.parse_args()
+    r = run(args.steps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
     flow, library = r["warm"]["flow"], r["warm"]["library"]
     print(f"reference workload {r['workload']}; {r['warm_steps']} warm steps; max load average "
           f"{r['load_average']:.2f}")
@@ -177,6 +247,8 @@ def main() -> None:
         print(f"{label:<28} {flow['labels'].get(label, 0):>8.3f} {library['labels'].get(label, 0):>10.3f}")
     for key in ("wall", "inside_stages", "outside_stages", "parquet_io"):
         print(f"{key:<28} {flow[key]:>8.3f} {library[key]:>10.3f}")
+    print(f"run flow's work around its steps: {r['flow_run_extra_per_step']:.3f} s/step; Prefect server CPU "
+          f"{r['prefect_server_cpu_seconds_per_step']:.2f} s/step")
     print(f"Prefect overhead {r['prefect_overhead']:+.1%} (step vs step), {r['prefect_overhead_outside_stages']:+.1%} "
           f"(outside the stages); storage {r['storage_overhead']:.1%}; target < {r['target_overhead']:.0%}: "
           f"{'met' if r['meets_target'] else 'NOT met'}")

@@ -1,0 +1,300 @@
+"""`make bench`: every benchmark, each in its own process, into bench/RESULTS.md (and bench/results.json).
+
+Each benchmark module has `run() -> dict`; this runs `python -m bench.run_all --one NAME`
+per benchmark (a fresh process: its own threads, memory and servers, and the
+`__main__` guard vLLM's engine processes need), then renders one table per benchmark,
+the machine, the date and a summary of the targets with their ratios.
+
+    python -m bench.run_all [--only step trl] [--out bench/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCHMARKS = {  # name: (module, timeout seconds)
+    "algorithms": ("bench.algorithms", 300),
+    "trainer": ("bench.trainer", 300),
+    "sampler": ("bench.sampler", 400),
+    "io": ("bench.io", 300),
+    "step": ("bench.step", 600),
+    "trl": ("bench.trl", 1200),
+}
+HERE = Path(__file__).parent
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+def run_one(name: str, out: str) -> None:
+    result = importlib.import_module(BENCHMARKS[name][0]).run()
+    with open(out, "w") as f:
+        json.dump(result, f, default=str)
+
+
+def run_in_subprocess(name: str) -> dict:
+    module, timeout = BENCHMARKS[name]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trace-rl-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        command = [sys.executable, "-m", "bench.run_all", "--one", name, "--json", out]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"did not finish within {timeout}s", "seconds": time.perf_counter() - started}
+        if done.returncode != 0 or not os.path.exists(out):
+            tail = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-3:]
+            return {"error": " / ".join(tail)[-600:] or f"exit {done.returncode}",
+                    "seconds": time.perf_counter() - started}
+        with open(out) as f:
+            return {"result": json.load(f), "seconds": time.perf_counter() - started}
+
+
+# -- the machine -----------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    def version(package: str) -> str:
+        try:
+            from importlib.metadata import version as installed
+
+            return installed(package)
+        except Exception:
+            return "not installed"
+
+    cpu_model = platform.processor() or "unknown"
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    if names:
+        cpu_model = names[0]
+    with open("/proc/meminfo") as f:
+        mem_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    import torch
+
+    return {
+        "cpu": cpu_model, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(), "ram_gib": round(mem_kb / 2**20, 1),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "python": platform.python_version(), "commit": commit,
+        **{p: version(p) for p in ("torch", "transformers", "vllm", "prefect", "trl", "pyarrow")},
+    }
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+def fmt(value, digits: int = 3) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.3g}"
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def flat(data: dict, prefix: str = "") -> list[list]:
+    rows = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            rows += flat(value, f"{prefix}{key}.")
+        else:
+            rows.append([f"{prefix}{key}", value])
+    return rows
+
+
+def render_algorithms(r: dict) -> list[str]:
+    tokens = r["tokens"]
+    rows = [[stage, r["wall_seconds"][stage] * 1e3, tokens / r["wall_seconds"][stage] / 1e6,
+             r["cpu_seconds"][stage] * 1e3] for stage in r["wall_seconds"]]
+    rows.append(["total", r["total_wall_seconds"] * 1e3, r["tokens_per_s"] / 1e6, r["total_cpu_seconds"] * 1e3])
+    return [f"{tokens:,} tokens ({r['branches']} branches, {r['channels']} channels, {r['samples']} samples), "
+            f"one thread, best of 10; target {r['target_tokens_per_s'] / 1e6:.0f}M tokens/s: "
+            f"**{'met' if r['meets_target'] else 'not met'}**.", ""] + table(
+        ["stage", "wall ms", "M tokens/s", "CPU ms"], rows)
+
+
+def render_trainer(r: dict) -> list[str]:
+    return [f"{r['device']} {r['dtype']}, {r['threads']} threads, {r['parameters'] / 1e6:.1f}M parameters, "
+            f"{r['tokens']:,} tokens in {r['micro_batches']} packed micro-batches; matmul "
+            f"{r['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s; best of 3.", ""] + table(
+        ["loop", "s/step", "tokens/s", "MFU"],
+        [["trace-rl Trainer.train_step", r["trainer_seconds"], r["trainer_tokens_per_s"], r["trainer_mfu"]],
+         ["bare forward/backward/AdamW", r["bare_seconds"], r["bare_tokens_per_s"], r["bare_mfu"]]],
+    ) + [f"Trainer / bare loop time: **{r['trainer_seconds'] / r['bare_seconds']:.2f}x** (target <= 1.2x).", ""]
+
+
+def render_io(r: dict) -> list[str]:
+    w, p = r["weights"], r["parquet"]
+    rows = [["raw safetensors save + load + load_state_dict (local file)", w["raw_seconds"], w["raw_mb_per_s"], 1.0]]
+    rows += [[f"broadcast via {where} storage (export_weights + broadcast_weights, hf sampler)",
+              s["broadcast_seconds"], w["megabytes"] / s["broadcast_seconds"], s["ratio_to_raw"]]
+             for where, s in w["storages"].items()]
+    lines = [f"Weights: {w['parameters'] / 1e6:.1f}M parameters, {w['megabytes']:.0f} MB fp32; best of 5.", ""]
+    lines += table(["path", "seconds", "MB/s", "x raw"], rows)
+    lines += [f"Parquet: {p['tokens']:,} tokens ({p['rows']['traces']} traces, {p['rows']['batch']} samples); "
+              "MB/s over the whole call (Arrow conversion included); best of 3.", ""]
+    lines += table(["storage/table", "file MB", "Arrow MB", "write MB/s (file)", "read MB/s (file)",
+                    "write MB/s (Arrow)", "read MB/s (Arrow)", "write M tokens/s", "read M tokens/s"],
+                   [[name, t["file_mb"], t["arrow_mb"], t["write_mb_per_s"], t["read_mb_per_s"],
+                     t["write_arrow_mb_per_s"], t["read_arrow_mb_per_s"], t["write_tokens_per_s"] / 1e6,
+                     t["read_tokens_per_s"] / 1e6] for name, t in p["tables"].items()])
+    return lines
+
+
+def render_step(r: dict) -> list[str]:
+    flow, library = r["warm"]["flow"], r["warm"]["library"]
+    labels = sorted(set(flow["labels"]) | set(library["labels"]),
+                    key=lambda k: (k.startswith(("io/", "trainer/", "flow/")), k))
+    rows = [[label, flow["labels"].get(label, 0.0), library["labels"].get(label, 0.0),
+             r["flow_task_clock"].get(label, "")] for label in labels]
+    rows += [[f"**{key.replace('_', ' ')}**", flow[key], library[key], ""]
+             for key in ("inside_stages", "outside_stages", "parquet_io", "wall")]
+    return [f"Workload: `{json.dumps(r['workload'])}`; {r['steps']} steps of each, interleaved; medians over the "
+            f"{r['warm_steps']} warm steps (step 1, cold: flow {r['first_step_wall']['flow']:.1f} s, library "
+            f"{r['first_step_wall']['library']:.1f} s). `io/*` and `trainer/*` are parts of the stages above them; "
+            "`flow/*` is the run flow's work between subflows.",
+            ""] + table(["stage (seconds)", "Prefect flow", "library (run_step)", "flow's own time/<stage>"], rows) + [
+        f"- the run flow's work around each `train_step` subflow (`flow/*`: artifacts, progress; run set-up "
+        f"spread over the steps): {r['flow_run_extra_per_step']:.3f} s/step",
+        f"- CPU the Prefect server process spent, on the same cores: "
+        f"{r['prefect_server_cpu_seconds_per_step']:.2f} s/step",
+        f"- Prefect overhead, step vs step (flow step + run flow's work, over the library step): "
+        f"**{r['prefect_overhead']:+.1%}**",
+        f"- Prefect overhead, time outside the stages: **{r['prefect_overhead_outside_stages']:+.1%}** of the "
+        "library step",
+        f"- storage overhead (Parquet hand-offs between stages): **{r['storage_overhead']:.1%}**",
+        f"- Prefect + storage: **{r['total_overhead']:.1%}** (target < {r['target_overhead']:.0%}: "
+        f"{'met' if r['meets_target'] else 'not met'})",
+        f"- mean reward per step, flow: {', '.join(f'{x:.3f}' for x in r['rewards']['flow'])}; library: "
+        f"{', '.join(f'{x:.3f}' for x in r['rewards']['library'])}", ""]
+
+
+def render_trl(r: dict) -> list[str]:
+    rows, errors = [], []
+    for side, s in r["sides"].items():
+        if "error" in s:
+            errors.append(f"- `{side}`: did not run: {s['error']}")
+            continue
+        rows.append([side, s["step_seconds"], s["sample_seconds"], s["trainer_seconds"], s["trainer_tokens_per_s"],
+                     s["tokens_per_step"], s["peak_rss_mb"], s["rewards"][0], s["final_reward"]])
+    lines = [f"Workload: bench/step.py's reference, {r['steps']} steps; medians over steps 2..{r['steps']}.", ""]
+    lines += table(["side", "step s", "sampling s", "trainer s", "trainer tokens/s", "tokens/step", "peak RSS MB",
+                    "reward step 1", f"reward step {r['steps']}"], rows)
+    lines += errors + ([""] if errors else [])
+    lines += table(["comparison (trace-rl / TRL)", "step speed-up (TRL s / trace-rl s)",
+                    "trainer tokens/s ratio", "peak RSS ratio"],
+                   [[name, x["step_speedup"], x["trainer_tokens_per_s"], x["peak_rss"]]
+                    for name, x in r["ratios"].items()])
+    return lines
+
+
+def render_generic(r: dict) -> list[str]:
+    return table(["key", "value"], flat(r))
+
+
+RENDERERS = {"algorithms": render_algorithms, "trainer": render_trainer, "io": render_io, "step": render_step,
+             "trl": render_trl}
+
+
+def targets(results: dict) -> list[list]:
+    rows = []
+
+    def get(name):
+        return results.get(name, {}).get("result")
+
+    if (step := get("step")) is not None:
+        rows.append(["Prefect + storage overhead of a step", f"{step['total_overhead']:.1%}", "< 5%",
+                     step["meets_target"]])
+    if (trl := get("trl")) is not None and "hf" in trl["ratios"]:
+        hf = trl["ratios"]["hf"]
+        rows.append(["step speed-up over TRL (both transformers generate)", f"{hf['step_speedup']:.2f}x", "> 1x",
+                     hf["step_speedup"] > 1])
+        rows.append(["trainer tokens/s over TRL's", f"{hf['trainer_tokens_per_s']:.2f}x", ">= 1.3x",
+                     hf["trainer_tokens_per_s"] >= 1.3])
+    if trl is not None and "trace-rl vllm vs trl hf" in trl["ratios"]:
+        ratio = trl["ratios"]["trace-rl vllm vs trl hf"]["step_speedup"]
+        rows.append(["step speed-up, trace-rl on vLLM over TRL on transformers", f"{ratio:.2f}x", "> 1x", ratio > 1])
+    if (trainer := get("trainer")) is not None:
+        ratio = trainer["trainer_seconds"] / trainer["bare_seconds"]
+        rows.append(["trainer time / bare PyTorch loop", f"{ratio:.2f}x", "<= 1.2x", ratio <= 1.2])
+    if (algorithms := get("algorithms")) is not None:
+        rows.append(["algorithm path (grpo + echo + validate + aggregate)",
+                     f"{algorithms['tokens_per_s'] / 1e6:.1f}M tokens/s", ">= 20M tokens/s",
+                     algorithms["meets_target"]])
+    return rows
+
+
+def render(results: dict, info: dict, started: str, loads: tuple[float, float], seconds: float) -> str:
+    lines = ["# trace-rl benchmarks", "",
+             f"Generated by `make bench` (`python -m bench.run_all`) on {started} in {seconds / 60:.1f} minutes; "
+             "see docs/benchmarks.md for what each measures. Absolute numbers vary between machines; the "
+             "ratios are what count.", "", "## Machine", ""]
+    lines += table(["", ""], [[k, v] for k, v in info.items()] + [["load average (1 min) at start / end",
+                                                                   f"{loads[0]:.2f} / {loads[1]:.2f}"]])
+    lines += ["## Targets", ""] + table(["target", "measured", "wanted", "met"], targets(results))
+    for name, entry in results.items():
+        lines += [f"## {name} (`python -m {BENCHMARKS[name][0]}`, {entry['seconds']:.0f} s)", ""]
+        if "error" in entry:
+            lines += [f"Did not complete: `{entry['error']}`", ""]
+            continue
+        result = entry["result"]
+        lines += RENDERERS.get(name, render_generic)(result)
+        if "load_average" in result:
+            lines += [f"Load average (1 min) during the run: {result['load_average']:.2f}.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run only these benchmarks")
+    parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--one", choices=list(BENCHMARKS), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(args.one, args.json)
+        return
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    clock, load_start = time.perf_counter(), os.getloadavg()[0]
+    results = {}
+    for name in args.only or BENCHMARKS:
+        print(f"running {name} ...", flush=True)
+        results[name] = run_in_subprocess(name)
+        print(f"  {name}: {'error: ' + results[name]['error'] if 'error' in results[name] else 'done'} "
+              f"({results[name]['seconds']:.0f} s)", flush=True)
+    seconds = time.perf_counter() - clock
+    text = render(results, machine(), started, (load_start, os.getloadavg()[0]), seconds)
+    Path(args.out).write_text(text)
+    Path(args.out).with_name("results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
