@@ -6,7 +6,6 @@ import time
 
 from prefect import flow, get_run_logger
 
-from flows.heartbeat import heartbeats
 from tasks.aggregate_channels import aggregate_channels
 from tasks.broadcast_weights import broadcast_weights
 from tasks.run_algorithm import run_algorithm
@@ -22,11 +21,6 @@ from trace_rl.session import session_for
 
 @flow(name="train_step", flow_run_name="{config.name}-step-{step}", log_prints=True)
 def train_step(config: Config, step: int) -> dict:
-    with heartbeats():
-        return run_stages(config, step)
-
-
-def run_stages(config: Config, step: int) -> dict:
     logger = get_run_logger()
     resumable = stage_options(config)
     timings: dict[str, float] = {}

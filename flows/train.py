@@ -12,7 +12,6 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from flows.artifacts import history, publish, reward_mean, start_progress, update_progress
-from flows.heartbeat import child_heartbeats_from_here
 from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.run import prepare_run
@@ -33,8 +32,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     progress = start_progress(config, first - 1)
     console = Console(stderr=True)
     done: list[tuple] = []
-    with child_heartbeats_from_here(), Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"),
-                                                 console=console) as bar:
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as bar:
         task = bar.add_task(config.name, total=config.steps, completed=first - 1, last="")
         for step in range(first, config.steps + 1):
             started = time.perf_counter()

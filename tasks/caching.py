@@ -37,16 +37,20 @@ def run_filesystem(config: Config, folder: str):
     return RemoteFileSystem(basepath=url, settings=config.storage_options)
 
 
-_SAVED_BLOCKS: dict[str, str] = {}
+_SAVED_BLOCKS: dict[str, Any] = {}
 
 
-def saved_result_storage(config: Config) -> str:
-    """The run's result storage as a block saved on the Prefect server (Prefect requires that), by slug."""
+def saved_result_storage(config: Config):
+    """The run's result storage, saved on the Prefect server once per process (Prefect requires a saved block).
+
+    The saved instance itself is handed to tasks: a slug would make every task run load the
+    block document from the server, twice, which cost more than the rest of the task.
+    """
     block = run_filesystem(config, "results")
     name = "trace-rl-" + hashlib.sha256(block.basepath.encode()).hexdigest()[:16]
     if name not in _SAVED_BLOCKS:
         block.save(name, overwrite=True)
-        _SAVED_BLOCKS[name] = f"{block.get_block_type_slug()}/{name}"
+        _SAVED_BLOCKS[name] = block
     return _SAVED_BLOCKS[name]
 
 
