@@ -39,7 +39,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
             result = train_step(config, step)
             metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
             rows.append(metrics)
-            done.append((step, reward_mean(metrics), metrics.get("train/loss/rl", 0.0), metrics["time/step"],
+            done.append((step, reward_mean(metrics), metrics.get("train/entropy", 0.0), metrics["time/step"],
                          ", ".join(result["reused"])))
             publish(config, rows)
             update_progress(progress, config, step)
@@ -50,10 +50,10 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
 
 def reward_table(config: Config, rows: list[tuple]) -> Table:
     table = Table(title=f"{config.name}: reward per step")
-    for column in ("step", "mean reward", "rl loss", "seconds", "reused stages"):
+    for column in ("step", "mean reward", "entropy", "seconds", "reused stages"):
         table.add_column(column, justify="left" if column == "reused stages" else "right")
-    for step, reward, loss, seconds, reused in rows:
-        table.add_row(str(step), f"{reward:.3f}", f"{loss:+.4f}", f"{seconds:.1f}", reused)
+    for step, reward, entropy, seconds, reused in rows:
+        table.add_row(str(step), f"{reward:.3f}", f"{entropy:.3f}", f"{seconds:.1f}", reused)
     return table
 
 
