@@ -1,5 +1,3 @@
-import asyncio
-
 from prefect import task
 
 from trace_rl import step as stages
@@ -10,4 +8,4 @@ from trace_rl.session import session_for
 @task(name="broadcast_weights", task_run_name="broadcast_weights")
 def broadcast_weights(config: Config, step: int) -> dict:
     """The actor samples with weights/<step> from the next step on."""
-    return asyncio.run(stages.broadcast_weights(session_for(config), step))
+    return stages.run_sync(stages.broadcast_weights(session_for(config), step))

@@ -1,5 +1,3 @@
-import asyncio
-
 from prefect import task
 
 from trace_rl import step as stages
@@ -10,4 +8,4 @@ from trace_rl.session import session_for
 @task(name="run_algorithm", task_run_name="{job.config.id}")
 def run_algorithm(config: Config, step: int, job: stages.AlgorithmJob) -> dict:
     """One algorithm (builtin in-process, or env-owned on its env server) over its envs' traces."""
-    return asyncio.run(stages.run_algorithm(session_for(config), step, job))
+    return stages.run_sync(stages.run_algorithm(session_for(config), step, job))

@@ -1,5 +1,3 @@
-import asyncio
-
 from prefect import task
 
 from trace_rl import step as stages
@@ -10,4 +8,4 @@ from trace_rl.session import session_for
 @task(name="sample_rollouts", task_run_name="sample_rollouts")
 def sample_rollouts(config: Config, step: int) -> dict:
     """Every env's groups with the actor, written to steps/<step>/traces.parquet."""
-    return asyncio.run(stages.sample_rollouts(session_for(config), step))
+    return stages.run_sync(stages.sample_rollouts(session_for(config), step))

@@ -24,3 +24,31 @@ def test_readme_lists_every_config():
 def test_the_demo_is_grpo_on_reverse_text():
     config = load_config(ROOT / "configs" / "demo.toml")
     assert [a.id for a in config.algorithms] == ["grpo"] and config.env[0].id == "reverse-text"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_config_trains_through_every_stage(path, tmp_path):
+    """Two small steps of each config on the hf sampler: sampling, algorithms, batch, train, broadcast."""
+    from trace_rl.session import Session
+    from trace_rl.step import run_step
+    from trace_rl.tables import read_batch
+
+    overrides = ["inference.backend=hf", f"storage={tmp_path}", "steps=2", "sampling.max_completion_tokens=6"]
+    config = load_config(path, overrides)
+    for env in config.env:
+        env.batch_size, env.group_size = 2, 2
+    session = Session(config)
+    for step in (1, 2):
+        result = run_step(session, step)
+        assert result["batch"]["samples"] > 0
+        assert session.storage.is_stable(session.storage.path("weights", f"{step:06d}"))
+    batch = read_batch(session.storage, 2)
+    losses = {algo.id: load_algorithm_loss(algo.id) for algo in config.algorithms}
+    for loss in set(losses.values()):
+        assert any(getattr(s, f"{loss}_mask").any() for s in batch), f"no {loss} tokens in the batch of {path.name}"
+
+
+def load_algorithm_loss(algorithm_id: str) -> str:
+    from trace_rl.algorithms.base import resolve_algorithm_class
+
+    return resolve_algorithm_class(algorithm_id).loss

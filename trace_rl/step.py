@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm, resolve_algorithm_class
@@ -196,6 +197,17 @@ def write_metrics(session: Session, step: int, metrics: dict) -> str:
     return path
 
 
+def run_sync(coroutine):
+    """Run a coroutine to completion from sync code, also where this thread already runs an event loop
+    (e.g. a flow executed by `prefect flow-run retry`): then on a fresh thread with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def run_step(session: Session, step: int) -> dict:
     """The whole step without an orchestrator, stage by stage (what bench/step.py compares Prefect to)."""
 
@@ -212,4 +224,4 @@ def run_step(session: Session, step: int) -> dict:
         return {"rollouts": rollouts, "algorithms": results, "aggregate": aggregated, "batch": batch,
                 "train": trained}
 
-    return asyncio.run(run())
+    return run_sync(run())

@@ -152,8 +152,8 @@ def test_untrainable_and_errored_traces_get_nothing():
     ({"tool": False}, "enable at least one of system, user, assistant, tool"),
     ({"tool": {"tool_names": []}}, "tool.tool_names"),
     ({"user": {"alpha": -1}}, "user.alpha"),
-    ({"user": {"weight": 1}}, "unknown key 'user.weight'"),
-    ({"roles": ["user"]}, "unknown key 'roles'"),
+    ({"user": {"weight": 1}}, "user.weight: unknown key"),
+    ({"roles": ["user"]}, "roles: unknown key"),
 ])
 def test_bad_options_are_named(spec, message):
     with pytest.raises(AlgorithmError, match=message):

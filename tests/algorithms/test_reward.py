@@ -93,5 +93,5 @@ def test_no_builtin_signals_untrainable_or_errored_traces(spec):
 
 
 def test_unknown_option_is_named():
-    with pytest.raises(AlgorithmError, match="unknown key 'std_norm'.*std_normalize"):
+    with pytest.raises(AlgorithmError, match="std_norm: unknown key.*std_normalize"):
         load_algorithm({"id": "grpo", "std_norm": True})

@@ -62,7 +62,12 @@ def test_a_new_run_refuses_an_existing_directory(finished_run):
         prepare_run(finished_run, "new")
 
 
-def test_failed_train_then_resume_reuses_the_finished_stages(prefect_api, tmp_path):
+def test_failed_train_then_prefect_retry_reuses_the_finished_stages(prefect_api, tmp_path):
+    """The train stage fails; `prefect flow-run retry` (a new process) resumes with the earlier stages Cached."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from flows.train import run_training
 
     config = validate_config(small_config(str(tmp_path), "retried", steps=1))
@@ -72,14 +77,23 @@ def test_failed_train_then_resume_reuses_the_finished_stages(prefect_api, tmp_pa
     storage.fs.pipe(blocker, b"a file where the checkpoint directory must go")  # the train stage cannot write
     with pytest.raises(Exception):
         run_training(config, resume=True)  # the directory exists (it holds the blocker), so resume, not new
-    storage.fs.rm(blocker)
-    run_training(config, resume=True)
-
-    failed, resumed = step_runs(prefect_api, "retried")
+    (failed,) = step_runs(prefect_api, "retried")
     assert failed["state"]["name"] == "Failed"
     assert dict(failed["tasks"])["train"] == "Failed"
-    assert resumed["tasks"] == [(name, "Cached") for name in STAGES[:5]] + [("train", "Completed"),
-                                                                             ("broadcast_weights", "Completed")]
+    train_run = httpx.post(f"{prefect_api}/flow_runs/filter", json={
+        "flow_runs": {"name": {"any_": ["retried"]}}}).json()[0]
+    assert train_run["state"]["name"] == "Failed"
+
+    storage.fs.rm(blocker)
+    root = Path(__file__).resolve().parents[2]
+    retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", train_run["id"],
+                            "--entrypoint", "flows/train.py:train"], cwd=root, capture_output=True, text=True)
+    assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
+
+    assert httpx.get(f"{prefect_api}/flow_runs/{train_run['id']}").json()["state"]["name"] == "Completed"
+    tasks = [task for run in step_runs(prefect_api, "retried") for task in run["tasks"]]
+    assert tasks[-len(STAGES):] == [(name, "Cached") for name in STAGES[:5]] + [("train", "Completed"),
+                                                                                ("broadcast_weights", "Completed")]
     assert storage.stable_steps("weights") == [1]
 
 

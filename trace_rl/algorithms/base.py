@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trace_rl.options import option_problems
 from trace_rl.trace import Trace
 
 Loss = Literal["rl", "ce"]
@@ -103,14 +104,7 @@ def validate_options(cls: type[Algorithm], config: AlgorithmConfig) -> BaseModel
     try:
         return cls.Options(**config.options)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
-                known = ", ".join(cls.Options.model_fields) or "none"
-                problems.append(f"unknown key {where!r} (known keys: {known})")
-            else:
-                problems.append(f"{where}: {err['msg']}")
+        problems = option_problems(exc, cls.Options)
         raise AlgorithmError(f"algorithm {config.id!r}: " + "; ".join(problems)) from None
 
 

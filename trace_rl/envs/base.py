@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from trace_rl.config import SamplingConfig
 from trace_rl.errors import RetryableError
 from trace_rl.models import Generation, ModelRuntime
+from trace_rl.options import option_problems
 from trace_rl.render import Conversation, Renderer
 from trace_rl.trace import Message, Trace
 
@@ -128,15 +129,7 @@ def validate_args(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
     try:
         return cls.Args(**args)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
-                known = ", ".join(cls.Args.model_fields) or "none"
-                problems.append(f"args.{where}: unknown key (known keys: {known})")
-            else:
-                problems.append(f"args.{where}: {err['msg'].removeprefix('Value error, ')}")
-        raise EnvError(f"env {cls.id!r}: " + "; ".join(problems)) from None
+        raise EnvError(f"env {cls.id!r}: " + "; ".join(option_problems(exc, cls.Args, "args."))) from None
 
 
 ENVIRONMENTS: dict[str, type[Environment]] = {}
