@@ -9,13 +9,33 @@ from __future__ import annotations
 import difflib
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from trace_rl.algorithms.base import AlgorithmConfig
 
 POLICY = "policy"
+
+# An algorithm is written as its id ("grpo") or a table ({id = "echo", user = {alpha = 0.5}}).
+AlgorithmSpec = Annotated[
+    AlgorithmConfig,
+    BeforeValidator(AlgorithmConfig.parse),
+    WithJsonSchema({"anyOf": [
+        {"type": "string", "description": "an algorithm id"},
+        {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"], "additionalProperties": True,
+         "description": "an algorithm id with its options"},
+    ]}),
+]
 
 
 class Strict(BaseModel):
@@ -68,15 +88,10 @@ class EnvConfig(Strict):
     id: str = Field(..., description="a builtin env id (docs/envs.md) or 'package.module:Class'")
     batch_size: int = Field(8, gt=0, description="examples per step")
     group_size: int = Field(8, gt=0, description="rollouts per example")
-    algorithms: list[AlgorithmConfig] | None = Field(None, description="replaces the top-level list for this env")
+    algorithms: list[AlgorithmSpec] | None = Field(None, description="replaces the top-level list for this env")
     args: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
     server: str | None = Field(None, description="URL of a remote env server for env-owned algorithms")
     sampling: SamplingConfig | None = Field(None, description="replaces [sampling] for this env")
-
-    @field_validator("algorithms", mode="before")
-    @classmethod
-    def _parse_algorithms(cls, value: Any) -> Any:
-        return None if value is None else [AlgorithmConfig.parse(v) for v in value]
 
 
 class LossConfig(Strict):
@@ -135,7 +150,7 @@ class Config(Strict):
     storage: str = Field("runs", description="fsspec URL or local path")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, e.g. S3 endpoint")
     actor: str = Field(POLICY, description="which model samples rollouts: 'policy' or a [models.<key>] with tokens")
-    algorithms: list[AlgorithmConfig] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=
+    algorithms: list[AlgorithmSpec] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=
                                               "default for every env: ids or {id = ..., <options>} tables")
     model: ModelConfig = Field(default_factory=ModelConfig, description="[model]: the trained model (key policy)")
     models: dict[str, ExtraModelConfig] = Field(default_factory=dict, description="[models.<key>]: other models")
@@ -146,11 +161,6 @@ class Config(Strict):
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="[ckpt]")
     prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="[prefect]")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="[remote]")
-
-    @field_validator("algorithms", mode="before")
-    @classmethod
-    def _parse_algorithms(cls, value: Any) -> Any:
-        return [AlgorithmConfig.parse(v) for v in value]
 
     @field_validator("models")
     @classmethod
@@ -211,7 +221,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 def _describe(err: dict, model: type[BaseModel]) -> str:
-    loc = tuple(p for p in err["loc"] if p not in ("function-after[_parse_algorithms()]",))
+    loc = tuple(err["loc"])
     where = ".".join(str(p) for p in loc) or "<top level>"
     if err["type"] == "extra_forbidden":
         known = _known_keys(model, loc[:-1])
