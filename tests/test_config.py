@@ -30,7 +30,7 @@ def test_demo_config_loads_with_typed_overrides():
 
 
 def test_every_wrong_key_is_named_with_a_fix():
-    found = problems(minimal(env=[{"id": "a", "group_sze": 3}], trainer={"lrr": 1, "loss": {"kl": 1}}))
+    found = problems(minimal(env=[{"id": "reverse-text", "group_sze": 3}], trainer={"lrr": 1, "loss": {"kl": 1}}))
     assert "env.0.group_sze: unknown key; did you mean 'group_size'?" in found
     assert "trainer.lrr: unknown key; did you mean 'lr'?" in found
     assert any(p.startswith("trainer.loss.kl: unknown key") and "kl_tau" in p for p in found)
@@ -38,7 +38,7 @@ def test_every_wrong_key_is_named_with_a_fix():
 
 
 def test_wrong_types_and_missing_keys():
-    found = problems({"env": [{"id": "a"}], "trainer": {"lr": "fast"}})
+    found = problems({"env": [{"id": "reverse-text"}], "trainer": {"lr": "fast"}})
     assert "name: required key is missing; add it" in found
     assert any(p.startswith("trainer.lr:") and "'fast'" in p for p in found)
 
@@ -53,14 +53,29 @@ def test_policy_key_is_reserved_and_actor_must_be_token_capable():
 def test_unknown_algorithm_lists_known_ids_unless_env_has_server():
     found = problems(minimal(algorithms=["nope"]))
     assert any("unknown algorithm 'nope'" in p and "grpo" in p for p in found)
-    config = validate_config(minimal(algorithms=["grpo"], env=[{"id": "a", "server": "http://127.0.0.1:1", "algorithms": ["nope"]}]))
+    config = validate_config(minimal(algorithms=["grpo"], env=[{"id": "reverse-text", "server": "http://127.0.0.1:1", "algorithms": ["nope"]}]))
     assert config.env[0].algorithms[0].id == "nope"
 
 
 def test_env_algorithms_replace_the_default_list():
-    config = validate_config(minimal(algorithms=["grpo"], env=[{"id": "a", "algorithms": ["rl", {"id": "echo"}]}, {"id": "b"}]))
+    config = validate_config(minimal(algorithms=["grpo"], env=[{"id": "reverse-text", "algorithms": ["rl", {"id": "echo"}]},
+                                                                   {"id": "alphabet-sort"}]))
     assert [a.id for a in config.algorithms_for(config.env[0])] == ["rl", "echo"]
     assert [a.id for a in config.algorithms_for(config.env[1])] == ["grpo"]
+
+
+def test_env_ids_and_args_are_checked_at_config_time():
+    found = problems(minimal(env=[{"id": "nope"}, {"id": "reverse-text", "args": {"min_lenght": 2}},
+                                  {"id": "reverse-text", "args": {"min_length": 9, "max_length": 4}}]))
+    assert found[0].startswith("env.0: unknown env id 'nope'; use a builtin (") and "reverse-text" in found[0]
+    assert found[1].startswith("env.1: env 'reverse-text': args.min_lenght: unknown key (known keys: min_length")
+    assert found[2] == "env.2: env 'reverse-text': args: min_length 9 > max_length 4"
+    assert len(found) == 3
+
+
+def test_set_into_a_value_names_the_key():
+    with pytest.raises(ConfigError, match=r"--set trainer.lr.x: trainer.lr is a value, not a table or list"):
+        load_config(DEMO, ["trainer.lr.x=1"])
 
 
 def _cli(*args):

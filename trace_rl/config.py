@@ -257,6 +257,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
             node = node[int(part)]
         else:
             node = node.setdefault(part, {})
+        if not isinstance(node, dict | list):
+            raise ConfigError([f"--set {path}: {'.'.join(parts[:i + 1])} is a value, not a table or list"])
     last = parts[-1]
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
@@ -273,8 +275,9 @@ def validate_config(data: dict[str, Any]) -> Config:
     except ValidationError as exc:
         raise ConfigError([_describe(err, Config) for err in exc.errors()]) from None
     from trace_rl.algorithms.check import check_algorithms
+    from trace_rl.envs.base import check_envs
 
-    problems = check_algorithms(config)
+    problems = check_envs(config) + check_algorithms(config)
     if problems:
         raise ConfigError(problems)
     return config

@@ -4,7 +4,7 @@ from trace_rl.config import ConfigError, validate_config
 
 
 def config(algorithms, actor="policy", models=None):
-    return validate_config({"name": "run", "env": [{"id": "toy"}], "actor": actor, "algorithms": algorithms,
+    return validate_config({"name": "run", "env": [{"id": "reverse-text"}], "actor": actor, "algorithms": algorithms,
                             "models": models or {}})
 
 

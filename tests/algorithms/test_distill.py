@@ -132,7 +132,7 @@ def test_opsd_without_a_demonstration_names_the_trace(policy_runtime):
 
 
 def test_opsd_hint_must_show_the_demonstration():
-    with pytest.raises(AlgorithmError, match=r"hint: Value error, hint must contain '\{demonstration\}'"):
+    with pytest.raises(AlgorithmError, match=r"algorithm 'opsd': hint: hint must contain '\{demonstration\}'"):
         load_algorithm({"id": "opsd", "hint": "no placeholder"})
 
 

@@ -166,3 +166,14 @@ def resolve_env_class(env_id: str) -> type[Environment]:
 
 def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
     return resolve_env_class(env_id)(args)
+
+
+def check_envs(config) -> list[str]:
+    """Config-time check of every `[[env]]` (run by `validate_config`): a known id and valid `args`."""
+    problems = []
+    for index, env in enumerate(config.env):
+        try:
+            validate_args(resolve_env_class(env.id), dict(env.args))
+        except EnvError as exc:
+            problems.append(f"env.{index}: {exc}")
+    return problems
