@@ -11,6 +11,7 @@ from trace_rl.algorithms.check import POLICY
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
 from trace_rl.trace import Trace
 
+
 class SFTOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="cross-entropy weight per sampled token")

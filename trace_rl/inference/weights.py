@@ -48,7 +48,6 @@ def check_weights(
         raise ValueError(f"weights in {local_dir} do not fit the model ({'; '.join(problems)})")
 
 
-
 def local_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
     """The tensor shapes of a local model directory; None for a hub id (then only file presence is checked)."""
     return tensor_shapes(model_path) if os.path.isdir(model_path) else None

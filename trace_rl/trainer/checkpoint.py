@@ -76,12 +76,6 @@ def load_part(storage: RunStorage, step: int, name: str) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=name != "extra_state")
 
 
-def latest_extra_state(storage: RunStorage) -> tuple[int | None, dict[str, Any]]:
-    """The step and algorithm state of the latest STABLE checkpoint, without loading the model: (None, {}) if none."""
-    step = storage.latest_stable(KIND)
-    return (None, {}) if step is None else (step, load_part(storage, step, "extra_state"))
-
-
 def kept_steps(steps: list[int], ckpt: CheckpointConfig) -> set[int]:
     """The last `ckpt.keep` steps, plus every `ckpt.interval`-th one."""
     kept = set(sorted(steps)[-ckpt.keep :])
