@@ -17,9 +17,10 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm, resolve_algorithm_class
+from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
+from trace_rl.remote.client import remote_server_for, run_remote_algorithm
 from trace_rl.session import Session
 from trace_rl.storage import step_name
 from trace_rl.tables import read_channels, read_traces, write_batch as write_batch_table, write_channels, write_traces
@@ -49,7 +50,7 @@ def algorithm_jobs(config: Config) -> list[AlgorithmJob]:
     jobs: dict[tuple[str, str | None], tuple[AlgorithmConfig, list[str]]] = {}
     for env in config.env:
         for algo in config.algorithms_for(env):
-            server = None if resolve_algorithm_class(algo.id) is not None else env.server
+            server = remote_server_for(env, algo)
             key = (algo.model_dump_json(), server)
             jobs.setdefault(key, (algo, []))[1].append(env.id)
     return [
@@ -80,8 +81,6 @@ async def compute_channels(
     """Run one algorithm (in-process or on its env server) on the traces of its envs: (channels, new state)."""
     traces = [t for t in traces if t.env in job.envs]
     if job.server is not None:
-        from trace_rl.remote.client import run_remote_algorithm
-
         channels = await run_remote_algorithm(
             job.server, job.config, traces, session.runtimes.configs, session.config.remote
         )
