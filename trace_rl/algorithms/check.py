@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from trace_rl.algorithms.base import REGISTRY, AlgorithmError, resolve_algorithm_class, validate_options
-
-if TYPE_CHECKING:
-    from trace_rl.config import Config
-
-POLICY = "policy"
+from trace_rl.config import POLICY, Config
 
 
 def check_algorithms(config: Config) -> list[str]:
