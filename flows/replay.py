@@ -15,13 +15,15 @@ from trace_rl.storage import RunStorage
 
 @flow(name="replay", log_prints=True)
 def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None, train: bool = False,
-           from_step: int | None = None, model: str | None = None, storage_options: dict | None = None) -> list[dict]:
+           from_step: int | None = None, model: str | None = None, storage_options: dict | None = None,
+           overwrite: bool = False) -> list[dict]:
     source = lib.source_config(run, storage_options)
     config = lib.replay_config(source, algorithms)
     out_storage = RunStorage.from_url(out, storage_options)
     source_storage = RunStorage.from_url(run, storage_options)
     if out_storage.url == source_storage.url:
         raise ValueError(f"--out {out} is the source run itself; replay never writes over the original run")
+    lib.prepare_out(out_storage, overwrite)
     chosen = lib.parse_steps(steps, lib.saved_steps(source_storage))
     from trace_rl.session import session_for
     from trace_rl.step import algorithm_jobs

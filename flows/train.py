@@ -45,6 +45,10 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
             update_progress(progress, config, step)
             bar.update(task, advance=1, last=f"step {step}: reward {done[-1][1]:.3f}")
     console.print(reward_table(config, done))
+    if len(rows) >= 10:
+        first, last = (sum(reward_mean(r) for r in part) / 5 for part in (rows[:5], rows[-5:]))
+        console.print(f"mean reward of the first 5 steps {first:.3f}, of the last 5 steps {last:.3f} "
+                      f"({last - first:+.3f})")
     return [{"step": d[0], "reward_mean": d[1]} for d in done]
 
 

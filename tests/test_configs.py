@@ -52,3 +52,14 @@ def load_algorithm_loss(algorithm_id: str) -> str:
     from trace_rl.algorithms.base import resolve_algorithm_class
 
     return resolve_algorithm_class(algorithm_id).loss
+
+
+def test_prefect_yaml_demo_deployment_is_the_demo_config():
+    import yaml
+
+    from trace_rl.config import validate_config
+
+    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    assert deployments["demo"]["entrypoint"] == "flows/train.py:train"
+    assert deployments["replay"]["entrypoint"] == "flows/replay.py:replay"
+    assert validate_config(deployments["demo"]["parameters"]["config"]) == load_config(ROOT / "configs" / "demo.toml")

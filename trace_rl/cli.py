@@ -52,7 +52,7 @@ def cmd_replay(args) -> int:
     from flows.replay import replay
 
     replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
-           from_step=args.from_step, model=args.model)
+           from_step=args.from_step, model=args.model, overwrite=args.overwrite)
     return 0
 
 
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--out", required=True, help="where the replayed batches go (never the source run)")
     replay.add_argument("--steps", help="FIRST:LAST, inclusive (default: every saved step)")
     replay.add_argument("--train", action="store_true", help="train a model on the replayed batches")
+    replay.add_argument("--overwrite", action="store_true", help="wipe a non-empty --out first")
     start = replay.add_mutually_exclusive_group()
     start.add_argument("--from-step", type=int, help="with --train: start from the run's weights of this step")
     start.add_argument("--model", help="with --train: start from this model (default: the run's base model)")

@@ -33,6 +33,14 @@ def parse_algorithms(text: str) -> list[AlgorithmConfig]:
     return [AlgorithmConfig.parse(v) for v in value]
 
 
+def prepare_out(out: RunStorage, overwrite: bool) -> None:
+    """Refuse a non-empty `--out` (its batches and checkpoints would mix with the new ones) unless overwriting."""
+    if out.exists(out.root) and out.fs.ls(out.root, detail=False):
+        if not overwrite:
+            raise ConfigError([f"--out {out.url} is not empty; choose a new directory or pass --overwrite to wipe it"])
+        out.remove(out.root)
+
+
 def parse_steps(text: str | None, available: list[int]) -> list[int]:
     """`3:7` means steps 3 through 7 (inclusive); `5` one step; None every saved step."""
     if text is None:
