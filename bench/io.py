@@ -180,7 +180,8 @@ def run(repeats: int = 3, weight_repeats: int = 5) -> dict:
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-io-") as tmp, s3_server() as s3_options:
         os.environ.setdefault("TRACE_RL_CACHE", os.path.join(tmp, "cache"))
         storages = {"local": (os.path.join(tmp, "runs"), {}), "s3": (f"s3://{BUCKET}/runs", s3_options)}
-        return {"weights": weight_broadcast(tmp, storages, weight_repeats), "parquet": parquet_throughput(storages, repeats),
+        return {"weights": weight_broadcast(tmp, storages, weight_repeats),
+                "parquet": parquet_throughput(storages, repeats),
                 "load_average": os.getloadavg()[0]}
 
 
@@ -196,7 +197,8 @@ def main() -> None:
           f"{'write Mtok/s':>13} {'read Mtok/s':>12}")
     for name, t in r["parquet"]["tables"].items():
         print(f"{name:<14} {t['file_mb']:>8.1f} {t['arrow_mb']:>9.1f} {t['write_mb_per_s']:>11.1f} "
-              f"{t['read_mb_per_s']:>10.1f} {t['write_tokens_per_s'] / 1e6:>13.2f} {t['read_tokens_per_s'] / 1e6:>12.2f}")
+              f"{t['read_mb_per_s']:>10.1f} {t['write_tokens_per_s'] / 1e6:>13.2f} "
+              f"{t['read_tokens_per_s'] / 1e6:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ decay), grad-norm clip 1, one optimizer step per step, no KL term, advantages r 
 (`use_vllm=True`, colocate): TRL 1.x supports vLLM 0.22-0.31 on CUDA; what happens here is
 reported as is.
 
-Each side runs in its own subprocess, so its peak RSS is its own. Reported per side, over
-the steps after the first (warm-up): step seconds (everything: sampling, advantages,
+Each side runs in its own subprocess, so its peak RSS is its own. Reported per side, best of
+the steps after the first (warm-up; medians too): step seconds (everything: sampling, advantages,
 training, and for trace-rl also the Parquet hand-offs, the checkpoint, the weight export
 and the broadcast), trainer seconds and trainer tokens/s (non-pad prompt + completion tokens
 per second of forward + backward + optimizer step: trace-rl's `Trainer.train_step`, TRL's
@@ -158,16 +158,16 @@ def side_main(side: str, steps: int, out: str) -> None:
 
 
 def summarize(result: dict) -> dict:
+    """Best of the warm steps (a shared machine only ever slows a step down), medians alongside."""
     warm = result["rows"][1:]
-    trainer_tokens = sum(r["tokens"] for r in warm)
-    trainer_seconds = sum(r["trainer_seconds"] for r in warm)
     return {
-        "step_seconds": statistics.median(r["step_seconds"] for r in warm),
-        "best_step_seconds": min(r["step_seconds"] for r in warm),
-        "sample_seconds": statistics.median(r["sample_seconds"] for r in warm),
-        "trainer_seconds": statistics.median(r["trainer_seconds"] for r in warm),
-        "trainer_tokens_per_s": trainer_tokens / trainer_seconds,
-        "tokens_per_step": trainer_tokens / len(warm),
+        "step_seconds": min(r["step_seconds"] for r in warm),
+        "median_step_seconds": statistics.median(r["step_seconds"] for r in warm),
+        "sample_seconds": min(r["sample_seconds"] for r in warm),
+        "trainer_seconds": min(r["trainer_seconds"] for r in warm),
+        "trainer_tokens_per_s": max(r["tokens"] / r["trainer_seconds"] for r in warm),
+        "median_trainer_tokens_per_s": statistics.median(r["tokens"] / r["trainer_seconds"] for r in warm),
+        "tokens_per_step": sum(r["tokens"] for r in warm) / len(warm),
         "peak_rss_mb": result["peak_rss_mb"],
         "rewards": [r["reward"] for r in result["rows"]],
         "final_reward": result["rows"][-1]["reward"],
