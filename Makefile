@@ -18,7 +18,14 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-bench: setup
+BENCH_STAMP := $(VENV)/.bench-$(SPEC_HASH)
+
+$(BENCH_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e ".[bench]"
+	rm -f $(VENV)/.bench-*
+	touch $@
+
+bench: setup $(BENCH_STAMP)
 	$(VENV)/bin/python -m bench.run_all
 
 clean:

@@ -51,13 +51,15 @@ def reward_plot(rows: list[dict]) -> bytes:
     return out.getvalue()
 
 
-def publish(config: Config, rows: list[dict]) -> None:
-    """The metrics table and the reward curve of every step so far, under the run's stable keys."""
+def publish(config: Config, rows: list[dict], plot: bool = True) -> None:
+    """The metrics table (and, with `plot`, the reward curve) of every step so far, under the run's stable keys."""
     storage = RunStorage(config.storage, config.name, config.storage_options)
     table = [{"step": r["step"], "reward_mean": round(reward_mean(r), 4),
               **{c: round(r[c], 4) for c in TABLE_COLUMNS[1:] if c in r}} for r in rows]
     create_table_artifact(key=artifact_key(config, "metrics"), table=table,
                           description=f"{config.name}: metrics per step")
+    if not plot:
+        return
     png = reward_plot(rows)
     storage.write_atomic(storage.path("plots", "reward.png"), png)
     encoded = base64.b64encode(png).decode()

@@ -16,6 +16,8 @@ from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.run import prepare_run
 
+PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes up every step
+
 
 @flow(name="train", flow_run_name="{config.name}", log_prints=True)
 def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -> list[dict]:
@@ -41,7 +43,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
             rows.append(metrics)
             done.append((step, reward_mean(metrics), metrics.get("train/entropy", 0.0), metrics["time/step"],
                          ", ".join(result["reused"])))
-            publish(config, rows)
+            publish(config, rows, plot=step % PLOT_EVERY == 0 or step == config.steps)
             update_progress(progress, config, step)
             bar.update(task, advance=1, last=f"step {step}: reward {done[-1][1]:.3f}")
     console.print(reward_table(config, done))
