@@ -43,7 +43,7 @@ RUN_FLOW_WORK = ("publish", "update_progress")  # what flows.train does per step
 STEPS = 4
 REFERENCE = {
     "model": "tiny", "backend": "hf", "env": "reverse-text", "examples_per_step": 8, "group_size": 8,
-    "max_completion_tokens": 32, "algorithms": "grpo", "micro_batch_tokens": 4096, "lr": 1e-3,
+    "max_completion_tokens": 32, "algorithms": "grpo", "micro_batch_tokens": 1024, "lr": 1e-3,
 }
 
 
