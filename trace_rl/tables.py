@@ -69,6 +69,16 @@ def _message_row(message) -> dict:
     return row
 
 
+def list_column(arrays: list[np.ndarray | None], dtype) -> pa.ListArray:
+    """A list<dtype> column from per-row numpy arrays (None: a null row), built from one buffer."""
+    present = [a for a in arrays if a is not None]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([0 if a is None else len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(present).astype(dtype, copy=False) if present else np.empty(0, dtype)
+    nulls = pa.array([a is None for a in arrays]) if len(present) < len(arrays) else None
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=_ARROW[dtype]), mask=nulls)
+
+
 def traces_to_table(traces: list[Trace]) -> pa.Table:
     """One row per branch; a trace without branches (e.g. errored) keeps one row with null branch columns."""
     rows: dict[str, list] = {name: [] for name in TRACE_SCHEMA.names}
@@ -86,8 +96,9 @@ def traces_to_table(traces: list[Trace]) -> pa.Table:
             rows["branch_index"].append(None if branch is None else branch.index)
             rows["temperature"].append(None if branch is None else branch.temperature)
             for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
-                value = None if branch is None else getattr(branch, name)
-                rows[name].append(None if value is None else pa.array(value, type=_ARROW[value.dtype.type]))
+                rows[name].append(None if branch is None else getattr(branch, name))
+    for name, dtype in {**TOKEN_ARRAYS, **ANNOTATIONS}.items():
+        rows[name] = list_column(rows[name], dtype)
     return pa.Table.from_pydict(rows, schema=TRACE_SCHEMA)
 
 
@@ -161,11 +172,11 @@ _SAMPLE_DTYPES = {
 
 
 def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
-    rows: dict[str, list] = {name: [] for name in BATCH_SCHEMA.names}
-    for sample in samples:
-        for name in BATCH_SCHEMA.names:
-            value = getattr(sample, name)
-            rows[name].append(np.asarray(value, dtype=_SAMPLE_DTYPES[name]) if name in _SAMPLE_DTYPES else value)
+    rows = {
+        name: (list_column([np.asarray(getattr(s, name)) for s in samples], _SAMPLE_DTYPES[name])
+               if name in _SAMPLE_DTYPES else [getattr(s, name) for s in samples])
+        for name in BATCH_SCHEMA.names
+    }
     return pa.Table.from_pydict(rows, schema=BATCH_SCHEMA)
 
 
