@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.options import known_keys
 
 POLICY = "policy"
 
@@ -197,34 +198,11 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names valid at `loc` (the parent of the offending key)."""
-    current: Any = model
-    for part in loc:
-        if isinstance(part, int) or current is None:
-            continue
-        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
-        if field is None:
-            return []
-        current = _model_in(field.annotation)
-    return list(current.model_fields) if current is not None else []
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
 def _describe(err: dict, model: type[BaseModel]) -> str:
     loc = tuple(err["loc"])
     where = ".".join(str(p) for p in loc) or "<top level>"
     if err["type"] == "extra_forbidden":
-        known = _known_keys(model, loc[:-1])
+        known = known_keys(model, loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         fix = f"did you mean {close[0]!r}?" if close else f"remove it (known keys: {', '.join(known)})"
         return f"{where}: unknown key; {fix}"

@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ValidationError
+
+
+def known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names valid at `loc` (the path to the parent of an offending key; list indices skipped)."""
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = current.model_fields.get(part) if current is not None else None
+        if field is None:
+            return []
+        current = _model_in(field.annotation)
+    return list(current.model_fields) if current is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def option_problems(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -11,7 +36,7 @@ def option_problems(exc: ValidationError, model: type[BaseModel], prefix: str = 
     for err in exc.errors():
         where = (prefix + ".".join(str(p) for p in err["loc"])).rstrip(".")  # a model-level error has no loc
         if err["type"] == "extra_forbidden":
-            known = ", ".join(model.model_fields) or "none"
+            known = ", ".join(known_keys(model, tuple(err["loc"][:-1]))) or "none"
             problems.append(f"{where}: unknown key (known keys: {known})")
         else:
             message = err["msg"].removeprefix("Value error, ")
