@@ -7,7 +7,7 @@ from typing import Literal
 
 from trace_rl.config import Config, config_to_toml
 from trace_rl.session import config_hash
-from trace_rl.storage import RunStorage
+from trace_rl.storage import RunStorage, step_name
 
 logger = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "overwrite"]
@@ -15,6 +15,15 @@ Mode = Literal["new", "resume", "overwrite"]
 
 class RunExistsError(RuntimeError):
     pass
+
+
+def first_unfinished_step(storage: RunStorage) -> int:
+    """The step to run next: after the latest checkpoint, or that step itself if the process died before
+    its weights were exported (the step's finished stages are reused and `train` exports them)."""
+    last = storage.latest_stable("checkpoints")
+    if last is None:
+        return 1
+    return last if not storage.is_stable(storage.path("weights", step_name(last))) else last + 1
 
 
 def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
@@ -36,7 +45,7 @@ def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
             logger.warning("resuming %s with a changed config (config hash now %s); finished stages made from the "
                            "old config are not reused", storage.url, config_hash(config))
     storage.write_atomic(config_path, config_to_toml(config).encode())
-    first = (storage.latest_stable("checkpoints") or 0) + 1
+    first = first_unfinished_step(storage)
     if mode == "resume":
         logger.info("resuming %s at step %d", storage.url, first)
     return storage, first

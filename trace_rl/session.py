@@ -67,7 +67,7 @@ class Session:
         return self.runtimes
 
     async def sync_policy(self, step: int) -> None:
-        """Make the policy runtime run the newest exported weights from before `step` (none: the base model).
+        """Make the policy runtime run the weights step `step` samples with: `weights/<step - 1>` (step 1: the base).
 
         The first sync of a session always loads explicitly: an in-process engine is shared by
         every session of the process and may hold another run's weights.
@@ -75,7 +75,7 @@ class Session:
         from trace_rl.inference.broadcast import broadcast_weights
         from trace_rl.tiny import resolve_model_path
 
-        wanted = max((s for s in self.storage.stable_steps("weights") if s < step), default=0)
+        wanted = step - 1
         if self._policy_version == wanted:
             return
         runtime = self.runtimes[POLICY]
@@ -83,7 +83,7 @@ class Session:
             await runtime.load_weights(resolve_model_path(self.config.model.name), 0)
             runtime.policy_version = 0
         else:
-            await broadcast_weights(runtime, self.storage, wanted)
+            await broadcast_weights(runtime, self.storage, wanted)  # fails, naming the step, if not STABLE
         self._policy_version = wanted
 
     def trainer_at(self, step: int):

@@ -134,3 +134,29 @@ def test_replay_never_writes_over_the_source_run(prefect_api, finished_run):
     source = RunStorage(finished_run.storage, finished_run.name)
     with pytest.raises(ValueError, match="never writes over"):
         replay(run=source.url, algorithms=[AlgorithmConfig(id="rl")], out=source.url)
+
+
+def test_resume_after_a_death_between_checkpoint_and_weights_exports_them(prefect_api, tmp_path):
+    """Killed after checkpoints/<s> became STABLE but before weights/<s>: resume re-enters step s, reuses its
+    stages and exports the same weights from the checkpoint (step s+1 must never sample older weights)."""
+    from pathlib import Path
+
+    from flows.train import run_training
+
+    config = validate_config(small_config(str(tmp_path), "halfway", steps=2))
+    run_training(config)
+    storage = RunStorage(config.storage, config.name)
+    weights = Path(storage.path("weights", "000002"))
+    exported = (weights / "model.safetensors").read_bytes()
+    # the state a SIGKILL inside the train task, between the two writes, leaves behind: no weights, and no
+    # record of the train task's result (the task never finished)
+    storage.remove(str(weights))
+    for record in Path(storage.path("prefect", "cache")).glob("halfway-000002-train-*"):
+        record.unlink()
+
+    run_training(config, resume=True)
+    assert (weights / "model.safetensors").read_bytes() == exported
+    resumed = step_runs(prefect_api, "halfway")[-1]
+    assert resumed["name"] == "halfway-step-2"
+    assert resumed["tasks"] == [(name, "Cached") for name in STAGES[:5]] + [("train", "Completed"),
+                                                                             ("broadcast_weights", "Completed")]
