@@ -186,9 +186,6 @@ class Config(Strict):
     def sampling_for(self, env: EnvConfig) -> SamplingConfig:
         return env.sampling or self.sampling
 
-    def model_for(self, key: str) -> ModelConfig:
-        return self.model if key == POLICY else self.models[key]
-
 
 class ConfigError(ValueError):
     """Every problem in a config, one per line, each naming the key and the fix."""

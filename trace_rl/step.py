@@ -27,9 +27,6 @@ from trace_rl.tables import read_channels, read_traces, write_batch as write_bat
 from trace_rl.trace import Trace
 from trace_rl.validate import validate_channels
 
-STAGES = ("sample_rollouts", "run_algorithm", "validate_dimensions", "aggregate_channels", "write_batch", "train",
-          "broadcast_weights")
-
 
 @dataclass(frozen=True)
 class AlgorithmJob:
