@@ -69,16 +69,22 @@ def tiny_model_path() -> str:
     return str(build_tiny(0))
 
 
+# The session's vLLM engine. Its step budget equals max_model_len, the least vLLM on CPU allows, so a
+# step with a few multi-turn rollouts already holds more prompt tokens than one engine step takes: the
+# case that crashed seeded sampling when vLLM chunked prompts (issue 20).
+VLLM_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "cpu_kv_cache_gb": 0.25}
+VLLM_OVERRIDES = ["inference.backend=vllm", *(f"inference.{key}={value}" for key, value in VLLM_ENGINE.items())]
+
+
 @pytest.fixture(scope="session")
 def vllm_runtime(tiny_model_path):
-    """The session's one in-process vLLM engine on the tiny model (key `policy`), shared by every test.
+    """The session's one in-process vLLM engine on the tiny model (key `policy`), shared by every test
+    (runs with `model.name = "tiny"` and VLLM_OVERRIDES reuse it).
 
     Tests that broadcast other weights into it load the tiny model's own weights back afterwards.
     """
     from trace_rl.inference.vllm_engine import shutdown_engines
     from trace_rl.models import RuntimeConfig, build_runtime
 
-    yield build_runtime(
-        RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm", max_model_len=1024, cpu_kv_cache_gb=0.25)
-    )
+    yield build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
     shutdown_engines()

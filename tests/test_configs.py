@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import VLLM_OVERRIDES
 from trace_rl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +27,15 @@ def test_the_demo_is_grpo_on_reverse_text():
     assert [a.id for a in config.algorithms] == ["grpo"] and config.env[0].id == "reverse-text"
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_shipped_config_trains_through_every_stage(path, tmp_path):
-    """Two small steps of each config on the hf sampler: sampling, algorithms, batch, train, broadcast."""
+def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, vllm_runtime):
+    """Two small steps of each config on the session's vLLM engine: sampling, algorithms, batch, train, broadcast."""
     from trace_rl.session import Session
     from trace_rl.step import run_step
     from trace_rl.tables import read_batch
 
-    overrides = ["inference.backend=hf", f"storage={tmp_path}", "steps=2", "sampling.max_completion_tokens=6"]
+    overrides = [*VLLM_OVERRIDES, f"storage={tmp_path}", "steps=2", "sampling.max_completion_tokens=6"]
     config = load_config(path, overrides)
     for env in config.env:
         env.batch_size, env.group_size = 2, 2
@@ -42,6 +44,7 @@ def test_shipped_config_trains_through_every_stage(path, tmp_path):
         result = run_step(session, step)
         assert result["batch"]["samples"] > 0
         assert session.storage.is_stable(session.storage.path("weights", f"{step:06d}"))
+    assert session.runtimes[config.actor].config.backend == "vllm"
     batch = read_batch(session.storage, 2)
     losses = {algo.id: load_algorithm_loss(algo.id) for algo in config.algorithms}
     for loss in set(losses.values()):

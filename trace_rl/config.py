@@ -66,11 +66,16 @@ class InferenceConfig(Strict):
         "vllm", description="vllm: in-process vLLM engine (or a server with base_url); hf: transformers generate")
     base_url: str | None = Field(None, description="a running vLLM OpenAI-compatible server for the policy")
     max_model_len: int = Field(1024, gt=0, description="longest sequence (prompt + completion) the engine serves")
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="vLLM's token budget per engine step (default: vLLM's; on CPU at least max_model_len,"
+        " since chunked prefill is off there, see docs/inference.md)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
     cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation (faster start)")
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
     request_timeout_s: float = Field(120.0, gt=0, description="one generate/score call; past it: a retryable error")
+    reload_timeout_s: float = Field(
+        600.0, gt=0, description="one weight reload of an in-process vLLM engine; past it the step fails")
     max_retries: int = Field(3, ge=0, description="retries of a retryable rollout error, with backoff")
     retry_backoff_s: float = Field(1.0, ge=0, description="backoff before the first retry; doubles each retry")
 

@@ -8,3 +8,12 @@ class RetryableError(RuntimeError):
     the whole rollout with exponential backoff up to `inference.max_retries` times. Runtimes and
     environments raise it (or `TimeoutError`) for failures that a second attempt may not hit; any other
     exception marks the trace with `error`."""
+
+
+class FatalError(RuntimeError):
+    """A failure no rollout can recover from (the sampler's engine died): the rollout loop does not turn
+    it into an error trace or retry it; it fails the stage, so the step fails and `--resume` redoes it."""
+
+
+class EngineDeadError(FatalError):
+    """An in-process vLLM engine died or stopped answering; the message names the engine and its error."""

@@ -29,11 +29,13 @@ class RuntimeConfig(BaseModel):
     backend: Literal["hf", "vllm"] = "hf"
     base_urls: list[str] = []  # non-empty: a vLLM server (round-robin over the URLs), whatever `backend` says
     max_model_len: int = 1024
+    max_num_batched_tokens: int | None = None
     seed: int = 0
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     request_timeout_s: float = 120.0
+    reload_timeout_s: float = 600.0
 
 
 @dataclass
@@ -84,10 +86,12 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
     engine = {
         "backend": inference.backend,
         "max_model_len": inference.max_model_len,
+        "max_num_batched_tokens": inference.max_num_batched_tokens,
         "cpu_kv_cache_gb": inference.cpu_kv_cache_gb,
         "gpu_memory_utilization": inference.gpu_memory_utilization,
         "enforce_eager": inference.enforce_eager,
         "request_timeout_s": inference.request_timeout_s,
+        "reload_timeout_s": inference.reload_timeout_s,
         "seed": config.seed,
     }
     configs = {

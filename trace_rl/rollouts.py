@@ -5,7 +5,8 @@ step samples the same traces whenever it runs with the same weights. A retryable
 (`RetryableError`, `TimeoutError`, a transient HTTP failure) reruns the rollout after an
 exponential backoff, up to `inference.max_retries` times; any other error, or retries run
 out, gives one trace marked with `error` (kept in traces.parquet, never trained). Groups whose
-rollouts all failed are listed in the summary and logged.
+rollouts all failed are listed in the summary and logged. A `FatalError` (the sampler's engine
+died) fails the whole stage at once.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import httpx
 import numpy as np
 from pydantic import BaseModel
 
+from trace_rl.algorithms.gather import gather_or_cancel
 from trace_rl.config import Config
 from trace_rl.envs.base import Environment, Example, Sampler, derive_seed, load_env
-from trace_rl.errors import RetryableError
+from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models import ModelRuntime
 from trace_rl.trace import Trace, group_traces
 
@@ -69,6 +71,8 @@ async def run_rollout(
             if not traces or not all(isinstance(t, Trace) for t in traces):
                 raise TypeError(f"{type(env).__name__}.rollout must return a non-empty list of Trace")
             return traces, attempt
+        except FatalError:
+            raise
         except Exception as exc:  # noqa: BLE001  (every failure becomes a trace error or a retry)
             if is_retryable(exc) and attempt < max_retries:
                 await asyncio.sleep(backoff_s * 2**attempt)
@@ -113,7 +117,7 @@ async def sample_rollouts(
         for example_index, example in enumerate(examples):
             for rollout in range(env_config.group_size):
                 jobs.append(one(env, env_index, example_index, example, rollout))
-    results = await asyncio.gather(*jobs)
+    results = await gather_or_cancel(jobs)
 
     traces = [trace for _, env_traces, _ in results for trace in env_traces]
     summary = RolloutSummary(retries=sum(retries for *_, retries in results))

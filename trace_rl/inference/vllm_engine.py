@@ -8,23 +8,128 @@ engine. (vLLM's `AsyncLLM` binds its output handler to the loop it first ran on,
 breaks when a later step runs a new loop.) Weight reloads run on the same thread
 between engine steps, so no forward pass sees half-loaded weights; a request still in
 flight continues on the new weights, so broadcast between rollout steps.
+
+The engine's processes (EngineCore and its model worker) can die. A monitor thread
+checks them twice a second; when one is gone, or an engine step raises, every waiting
+caller gets an `EngineDeadError` naming the engine, the process exit code and the last
+error the engine logged, and every later request fails at once. Nothing waits forever.
+
+On CPU, chunked prefill is off: vLLM samples (and discards) a token for a request whose
+prompt is only partly scheduled, then rewinds that request's seeded generator with
+`Generator.set_offset`, which CPU generators do not have, so seeded requests crashed the
+engine as soon as a step's prompts exceeded `max_num_batched_tokens`. Without chunking a
+prompt is prefilled in one engine step, so the budget is at least `max_model_len`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import itertools
+import json
+import os
 import queue
+import re
+import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
 import numpy as np
 
+from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
 from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
 from trace_rl.tiny import resolve_model_path
+
+LIVENESS_INTERVAL_S = 0.5
+EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")
+
+
+def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
+    """The `vllm.LLM` arguments for a runtime config on this platform (see the module docstring for CPU)."""
+    arguments: dict[str, Any] = {
+        "dtype": config.dtype,
+        "max_model_len": config.max_model_len,
+        "enforce_eager": config.enforce_eager,
+        "seed": config.seed,
+        "logprobs_mode": "processed_logprobs",
+        "max_logprobs": -1,
+        "worker_extension_cls": EXTENSION,
+    }
+    if config.max_num_batched_tokens is not None:
+        arguments["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if is_cpu:
+        # an explicit KV cache size; `gpu_memory_utilization` would reserve that fraction of all RAM
+        arguments["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gb * 2**30)
+        arguments["enable_chunked_prefill"] = False
+        budget = arguments.setdefault("max_num_batched_tokens", max(config.max_model_len, 4096))
+        if budget < config.max_model_len:
+            raise ValueError(
+                f"inference.max_num_batched_tokens = {budget} is below inference.max_model_len = "
+                f"{config.max_model_len}; on CPU chunked prefill is off, so raise it to at least max_model_len"
+            )
+    else:
+        arguments["gpu_memory_utilization"] = config.gpu_memory_utilization
+    return arguments
+
+
+class EngineLog:
+    """A file that receives vLLM's ERROR records from every process of one engine.
+
+    vLLM's CPU backend spawns its processes, and each configures its own logging from
+    `VLLM_LOGGING_CONFIG_PATH`; pointing that, while the engine starts, at vLLM's default
+    configuration plus a file handler brings the root cause of a crash in EngineCore or its
+    model worker to where this process can read it. A user's own logging set-up
+    (`VLLM_LOGGING_CONFIG_PATH` or `VLLM_CONFIGURE_LOGGING=0`) is left alone; errors then
+    point to the engine's log.
+    """
+
+    def __init__(self, key: str):
+        fd, self.path = tempfile.mkstemp(prefix=f"trace-rl-vllm-{key}-", suffix=".log")
+        os.close(fd)
+
+    @contextlib.contextmanager
+    def capturing(self):
+        if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+            yield
+            return
+        from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+        config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+        config["handlers"]["trace_rl_engine_errors"] = {
+            "class": "logging.FileHandler", "filename": self.path, "level": "ERROR", "formatter": "vllm",
+        }
+        config["loggers"]["vllm"]["handlers"].append("trace_rl_engine_errors")
+        config_path = self.path.removesuffix(".log") + ".json"
+        with open(config_path, "w") as handle:
+            json.dump(config, handle)
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
+        try:
+            yield
+        finally:
+            del os.environ["VLLM_LOGGING_CONFIG_PATH"]
+
+    def remove(self) -> None:
+        for path in (self.path, self.path.removesuffix(".log") + ".json"):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+    def last_error(self) -> str | None:
+        """The last exception line the engine logged (e.g. `RuntimeError: Worker failed with error ...`)."""
+        try:
+            with open(self.path) as handle:
+                lines = handle.read().splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            match = EXCEPTION_LINE.search(line.strip())
+            if match:
+                return match.group(1)
+        return None
 
 
 class EngineWorker:
@@ -32,37 +137,78 @@ class EngineWorker:
 
     def __init__(self, config: RuntimeConfig):
         self.model_path = resolve_model_path(config.name)
+        self.name = f"vLLM engine for {config.key!r} ({self.model_path})"
         self._config = config
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._error: EngineDeadError | None = None
+        self._stopping = threading.Event()
         self._ids = itertools.count()
+        self._log = EngineLog(config.key)
         self._started: Future = Future()
         self._thread = threading.Thread(target=self._run, name=f"vllm-engine-{config.key}", daemon=True)
         self._thread.start()
         self.llm = self._started.result()
+        threading.Thread(target=self._monitor, name=f"vllm-monitor-{config.key}", daemon=True).start()
 
     def _start_engine(self):
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        config = self._config
-        if current_platform.is_cpu():
-            # an explicit KV cache size; `gpu_memory_utilization` would reserve that fraction of all RAM
-            memory = {"kv_cache_memory_bytes": int(config.cpu_kv_cache_gb * 2**30)}
-        else:
-            memory = {"gpu_memory_utilization": config.gpu_memory_utilization}
-        return LLM(
-            model=self.model_path,
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager,
-            seed=config.seed,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=-1,
-            worker_extension_cls=EXTENSION,
-            **memory,
-        )
+        try:
+            with self._log.capturing():
+                return LLM(model=self.model_path, **engine_arguments(self._config, current_platform.is_cpu()))
+        except Exception as exc:
+            raise EngineDeadError(f"{self.name} failed to start: {self._describe(exc)}") from exc
 
+    # -- liveness -----------------------------------------------------------------------
+    def _processes(self) -> list:
+        manager = getattr(self.llm.llm_engine.engine_core.resources, "engine_manager", None)
+        return list(getattr(manager, "processes", []))
+
+    def _dead_reason(self) -> str | None:
+        """Why the engine is dead, or None while its processes run."""
+        exited = [p for p in self._processes() if not p.is_alive()]
+        if exited:
+            codes = ", ".join(f"{p.name} pid {p.pid} exit code {p.exitcode}" for p in exited)
+            return f"its process exited ({codes})"
+        if getattr(self.llm.llm_engine.engine_core.resources, "engine_dead", False):
+            return "vLLM marked it dead"
+        return None
+
+    def _describe(self, exc: BaseException | None = None, reason: str | None = None) -> str:
+        """The reason, the exception and the last error the engine logged (vLLM's own EngineDeadError
+        only says to look at the log, so it gives way to what the log says)."""
+        logged = self._log.last_error()
+        parts = [reason] if reason else []
+        if exc is not None and not (logged and type(exc).__name__ == "EngineDeadError"):
+            parts.append(f"{type(exc).__name__}: {exc}")
+        if logged:
+            parts.append(f"engine error: {logged}")
+        return "; ".join(parts) or "no error was logged; see the engine's log above"
+
+    def _monitor(self) -> None:
+        while not self._stopping.wait(LIVENESS_INTERVAL_S) and self._error is None:
+            reason = self._dead_reason()
+            if reason is not None:
+                time.sleep(LIVENESS_INTERVAL_S)  # let the dying process finish logging its error
+                self._fail(EngineDeadError(f"{self.name} died: {self._describe(reason=reason)}"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """Mark the engine dead and hand `error` to every caller waiting on it, now or later."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            waiting = list(self._pending.values())
+            self._pending.clear()
+            while not self._inbox.empty():
+                waiting.append(self._inbox.get_nowait()[2])
+        for future in waiting:
+            if not future.done():
+                future.set_exception(self._error)
+
+    # -- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         try:
             llm = self._start_engine()
@@ -71,7 +217,7 @@ class EngineWorker:
             return
         self._started.set_result(llm)
         engine = llm.llm_engine
-        while True:
+        while self._error is None:
             busy = engine.has_unfinished_requests()
             try:
                 commands = [self._inbox.get(block=not busy)]
@@ -79,51 +225,86 @@ class EngineWorker:
                 commands = []
             while not self._inbox.empty():
                 commands.append(self._inbox.get_nowait())
-            for kind, payload, future in commands:
+            for kind, (command_id, payload), future in commands:
                 if kind == "stop":
-                    llm.llm_engine.engine_core.shutdown()
+                    engine.engine_core.shutdown()
                     future.set_result(None)
                     return
                 if not future.set_running_or_notify_cancel():
                     continue
+                with self._lock:  # whoever pops a pending future resolves it: this thread or `_fail`
+                    self._pending[command_id] = future
                 try:
                     if kind == "request":
-                        request_id, prompt_ids, params = payload
-                        engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
-                        self._pending[request_id] = future
+                        prompt_ids, params = payload
+                        engine.add_request(command_id, {"prompt_token_ids": prompt_ids}, params)
                     else:
-                        future.set_result(payload(llm))
+                        self._resolve(command_id, result=payload(llm))
                 except Exception as exc:  # noqa: BLE001 - reported to the caller through its future
-                    future.set_exception(exc)
-            if engine.has_unfinished_requests():
+                    reason = self._dead_reason()
+                    if reason is not None:
+                        self._fail(EngineDeadError(f"{self.name} died: {self._describe(exc, reason)}"))
+                    else:
+                        self._resolve(command_id, error=exc)
+            if self._error is None and engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
                 except Exception as exc:  # noqa: BLE001 - every waiting caller gets the engine's error
-                    for pending in self._pending.values():
-                        pending.set_exception(exc)
-                    self._pending.clear()
-                    continue
+                    self._fail(EngineDeadError(f"{self.name} failed in an engine step: {self._describe(exc)}"))
+                    return
                 for output in outputs:
                     if output.finished:
-                        self._pending.pop(output.request_id).set_result(output)
+                        self._resolve(output.request_id, result=output)
+
+    def _resolve(self, command_id: str, result: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            future = self._pending.pop(command_id, None)
+        if future is None:  # already failed by `_fail`
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    # -- callers ---------------------------------------------------------------------------
+    def _enqueue(self, kind: str, payload) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                future.set_exception(self._error)
+                return future
+            self._inbox.put((kind, (f"{kind}-{next(self._ids)}", payload), future))
+        return future
 
     def submit(self, prompt_ids: list[int], params) -> Future:
-        future: Future = Future()
-        self._inbox.put(("request", (f"req-{next(self._ids)}", prompt_ids, params), future))
-        return future
+        return self._enqueue("request", (prompt_ids, params))
 
     def call(self, function: Callable[[Any], Any]) -> Future:
         """Run `function(llm)` on the engine thread between two engine steps."""
-        future: Future = Future()
-        self._inbox.put(("call", function, future))
-        return future
+        return self._enqueue("call", function)
+
+    async def wait(self, future: Future, timeout_s: float, what: str):
+        """Await a call that holds the engine thread; past `timeout_s` the engine counts as hung (dead) and is
+        not used again. (Requests need no timeout here: the monitor fails them when the engine dies, and
+        the sampler times out slow ones itself.)"""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            error = EngineDeadError(f"{self.name}: {what} got no answer in {timeout_s:g}s; the engine is not used "
+                                    "again in this process (resume the run to start a new one)")
+            self._fail(error)
+            raise error from None
 
     def stop(self) -> None:
         """Shut the engine down (its processes exit) and end the thread."""
-        future: Future = Future()
-        self._inbox.put(("stop", None, future))
-        future.result()
-        self._thread.join()
+        self._stopping.set()
+        future = self._enqueue("stop", None)
+        if self._error is not None or not self._thread.is_alive():
+            self.llm.llm_engine.engine_core.shutdown()
+        else:
+            future.result()
+            self._thread.join()
+        self._log.remove()
 
 
 ENGINES: dict[tuple, EngineWorker] = {}
@@ -134,10 +315,15 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
     """The process's engine for this runtime key and model (started on first use).
 
     Keyed by the runtime key too: a `reference` must keep its weights when `policy`,
-    though the same model, receives a broadcast.
+    though the same model, receives a broadcast. Not keyed by the run seed: every request
+    carries its own seed, so runs of different seeds share an engine. A dead engine is
+    replaced by a new one.
     """
-    key = (config.key, config.name, config.dtype, config.max_model_len, config.enforce_eager, config.seed)
+    key = (config.key, resolve_model_path(config.name), config.dtype, config.max_model_len,
+           config.max_num_batched_tokens, config.enforce_eager)
     with ENGINES_LOCK:
+        if key in ENGINES and ENGINES[key]._error is not None:
+            del ENGINES[key]
         if key not in ENGINES:
             ENGINES[key] = EngineWorker(config)
         return ENGINES[key]
@@ -171,7 +357,8 @@ class VLLMEngineRuntime:
         params = SamplingParams(
             temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0, detokenize=False
         )
-        output = (await asyncio.wrap_future(self.worker.submit(list(prompt_ids), params))).outputs[0]
+        output = (await asyncio.wrap_future(self.worker.submit(list(prompt_ids), params)))
+        output = output.outputs[0]
         token_ids = list(output.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(token_ids, output.logprobs)]
         return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason or "length")
@@ -192,10 +379,16 @@ class VLLMEngineRuntime:
         return prompt_logprobs_at(token_ids, positions, temperature)
 
     async def load_weights(self, local_dir: str, version: int) -> None:
-        """Check the new weights, then reload them in place between two engine steps."""
+        """Check the new weights, then reload them in place between two engine steps and drop the
+        prefix cache (its KV entries were computed with the old weights)."""
         check_weights(local_dir, self._expected)
-        call = lambda llm: llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": local_dir})  # noqa: E731
-        await asyncio.wrap_future(self.worker.call(call))
+
+        def reload(llm) -> None:
+            llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": local_dir})
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after the weight reload")
+
+        await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
         self.policy_version = version
 
 

@@ -1,0 +1,120 @@
+"""A real `trace-rl train` on the vLLM sampler whose EngineCore is SIGKILLed: the run fails fast, naming
+the engine, and `--resume` finishes it with the weights of a run that was never interrupted (issue 20)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import VLLM_ENGINE
+from tests.flows.test_crash_resume import ROOT, weights
+from tests.flows.conftest import small_config
+from trace_rl.storage import RunStorage
+
+STEPS = 3
+FAIL_WITHIN_S = 60
+
+
+def write_config(tmp_path: Path, name: str) -> Path:
+    import tomli_w
+
+    data = small_config(str(tmp_path / "runs"), name, steps=STEPS, inference={"backend": "vllm", **VLLM_ENGINE},
+                        sampling={"max_completion_tokens": 48})
+    data["env"] = [{"id": "reverse-text", "batch_size": 4, "group_size": 8}]  # sampling lasts a few seconds
+    path = tmp_path / f"{name}.toml"
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+def start(config: Path, *flags: str) -> subprocess.Popen:
+    """The run, its stderr in a file beside the config (vLLM logs more than a pipe holds unread)."""
+    log = open(config.with_suffix(f".{time.monotonic_ns()}.log"), "w+")  # noqa: SIM115 - read by output()
+    process = subprocess.Popen([sys.executable, "-m", "trace_rl.cli", "train", str(config), *flags], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
+    process.log = log
+    return process
+
+
+def output(process: subprocess.Popen) -> str:
+    process.log.seek(0)
+    return process.log.read()
+
+
+def finish(process: subprocess.Popen) -> None:
+    process.wait(timeout=600)
+    assert process.returncode == 0, output(process)[-3000:]
+
+
+def engine_core_pid(parent: int) -> int | None:
+    """The pid of the EngineCore child of `parent`, from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and (b"EngineCore" in cmdline or "EngineCore" in stat):
+            return int(entry.name)
+    return None
+
+
+def task_running(api_url: str, flow_run_name: str, task_name: str) -> bool:
+    body = {"flow_runs": {"name": {"any_": [flow_run_name]}},
+            "task_runs": {"name": {"like_": f"{task_name}%"}, "state": {"type": {"any_": ["RUNNING"]}}}}
+    response = httpx.post(f"{api_url}/task_runs/filter", json=body, timeout=5)
+    return response.status_code == 200 and bool(response.json())
+
+
+def kill_engine_when(process: subprocess.Popen, ready, what: str) -> str:
+    """SIGKILL the run's EngineCore once `ready()` holds; the run must then exit non-zero within 60 s.
+    Returns its stderr."""
+    deadline = time.monotonic() + 300
+    while not ready():
+        assert process.poll() is None, f"the run ended before {what}: {output(process)[-3000:]}"
+        assert time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.02)
+    pid = engine_core_pid(process.pid)
+    assert pid is not None, "no EngineCore process under the run"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        process.wait(timeout=FAIL_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"the run still waited {FAIL_WITHIN_S}s after its engine was killed {what}") from None
+    assert time.monotonic() - killed < FAIL_WITHIN_S
+    assert process.returncode != 0, f"the run exited 0 after its engine was killed {what}"
+    return output(process)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefect_api, tmp_path):
+    finish(start(write_config(tmp_path, "straight")))
+    expected = weights(tmp_path, "straight")
+
+    config = write_config(tmp_path, "killed")
+    storage = RunStorage(str(tmp_path / "runs"), "killed")
+    err = kill_engine_when(start(config), lambda: task_running(prefect_api, "killed-step-2", "sample_rollouts"),
+                           "while step 2 sampled")
+    assert "vLLM engine for 'policy'" in err and "died" in err, err[-3000:]
+    assert not storage.exists(storage.step_path(2, "traces.parquet"))  # the kill landed inside the sampling
+
+    # the broadcast of step 2 starts as its weights become STABLE: the reload meets a dead engine
+    err = kill_engine_when(start(config, "--resume"), lambda: storage.is_stable(storage.path("weights", "000002")),
+                           "at the weight reload after step 2")
+    assert "vLLM engine for 'policy'" in err, err[-3000:]
+
+    finish(start(config, "--resume"))
+    assert storage.stable_steps("weights") == [1, 2, 3]
+    assert weights(tmp_path, "killed") == expected

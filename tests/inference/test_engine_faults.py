@@ -1,0 +1,99 @@
+"""The in-process vLLM engine under load and when it dies (issue 20).
+
+Seeded requests whose prompts together exceed one engine step's token budget used to crash
+vLLM's CPU worker (`CPU Generator does not use offset`, from rewinding the generator of a
+partly prefilled prompt). Chunked prefill is off on CPU now; these tests run the multi-turn
+envs past the budget, and kill a real engine to check that nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
+from trace_rl.config import load_config
+from trace_rl.errors import EngineDeadError
+from trace_rl.inference.vllm_engine import engine_arguments
+from trace_rl.models import RuntimeConfig, build_runtime
+
+pytestmark = pytest.mark.vllm
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+def test_cpu_engine_prefills_whole_prompts_within_a_budget_of_at_least_max_model_len():
+    config = RuntimeConfig(key="policy", name="m", backend="vllm", max_model_len=2048)
+    cpu = engine_arguments(config, is_cpu=True)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] == 4096
+    assert "enable_chunked_prefill" not in engine_arguments(config, is_cpu=False)  # GPUs rewind seeds fine
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens = 1024 is below inference.max_model_len = 2048"):
+        engine_arguments(config.model_copy(update={"max_num_batched_tokens": 1024}), is_cpu=True)
+
+
+def test_seeded_requests_past_the_step_budget_sample_the_same_tokens_as_alone(vllm_runtime):
+    prompts = [[(7 * i + j) % 250 + 5 for j in range(300)] for i in range(8)]  # 2400 tokens > 1024 per step
+
+    async def sample(batch):
+        return await asyncio.gather(*(vllm_runtime.generate(p, temperature=1.0, max_tokens=6, seed=i)
+                                      for i, p in batch))
+
+    together = asyncio.run(sample(list(enumerate(prompts))))
+    alone = asyncio.run(sample([(3, prompts[3])]))
+    assert sum(map(len, prompts)) > VLLM_ENGINE["max_num_batched_tokens"]
+    assert alone[0].token_ids == together[3].token_ids
+    assert len({tuple(g.token_ids) for g in together}) > 1
+
+
+@pytest.mark.parametrize("name", ["alphabet-sort", "link-nav"])
+def test_multi_turn_envs_train_two_steps_past_the_step_budget(name, tmp_path, vllm_runtime):
+    """The configs that crashed, two steps each, with more prompt tokens in flight than one engine step takes."""
+    from trace_rl.session import Session
+    from trace_rl.step import run_step
+    from trace_rl.tables import read_traces
+
+    config = load_config(os.path.join(CONFIGS, f"{name}.toml"),
+                         [*VLLM_OVERRIDES, f"storage={tmp_path}", "steps=2", "env.0.batch_size=4",
+                          "env.0.group_size=4"])
+    session = Session(config)
+    for step in (1, 2):
+        run_step(session, step)
+        traces = read_traces(session.storage, step)
+        assert all(t.error is None for t in traces), [t.error for t in traces if t.error][:3]
+        first_prompts = sum(int((~t.branches[0].sampled).argmin()) for t in traces)
+        assert first_prompts > VLLM_ENGINE["max_num_batched_tokens"]
+        assert max(t.metrics["turns"] for t in traces) >= 2
+    assert session.storage.stable_steps("weights") == [1, 2]
+
+
+def engine_pid(runtime) -> int:
+    (process,) = runtime.worker._processes()
+    return process.pid
+
+
+def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_model_path):
+    """A second engine (key `victim`), SIGKILLed under load: sampling, scoring and reloads all fail fast."""
+    runtime = build_runtime(RuntimeConfig(key="victim", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
+
+    async def sample_then_kill():
+        prompt = list(range(5, 205))
+        requests = [asyncio.ensure_future(runtime.generate(prompt, temperature=1.0, max_tokens=512, seed=i))
+                    for i in range(8)]
+        await asyncio.sleep(0.5)
+        os.kill(engine_pid(runtime), signal.SIGKILL)
+        return await asyncio.gather(*requests, return_exceptions=True)
+
+    started = time.monotonic()
+    results = asyncio.run(sample_then_kill())
+    assert time.monotonic() - started < 30
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert "vLLM engine for 'victim'" in str(results[0]) and "exit code -9" in str(results[0])
+    for later in (runtime.score([5, 6, 7]), runtime.load_weights(tiny_model_path, 1),
+                  runtime.generate([5, 6], temperature=1.0, max_tokens=2, seed=0)):
+        with pytest.raises(EngineDeadError, match="victim"):
+            asyncio.run(asyncio.wait_for(later, 10))
+    assert runtime.policy_version == 0
+    runtime.worker.stop()
