@@ -2,7 +2,7 @@
 
 Workload: a Qwen2 model built in memory (hidden 256, 4 layers, 8 heads of 32, 4 KV
 heads, MLP 768, the tiny byte tokenizer's vocabulary: 3.4M parameters), fp32 on
-CPU or bf16 on CUDA; a step of 16 samples of 64-255 tokens (2,355 tokens), rl on
+CPU or bf16 autocast on CUDA; a step of 16 samples of 64-255 tokens (2,355 tokens), rl on
 the second half of each sample, packed into micro-batches of 1024 tokens.
 The block-diagonal mask is dense, so attention costs T^2 per micro-batch of T
 tokens whatever the sample lengths; MFU counts only the useful (per-sample) part.
@@ -54,7 +54,8 @@ def workload(seed: int = 0) -> list[TrainingSample]:
         completion = np.arange(n) >= n // 2
         samples.append(TrainingSample(
             trace_id=f"bench-{i}", branch_index=0, env="bench", input_ids=rng.integers(0, 256, n).astype(np.int32),
-            temperature=1.0, inference_logprobs=np.where(completion, -5.8, 0.0).astype(np.float32),
+            temperature=1.0, sampled=completion,
+            inference_logprobs=np.where(completion, -5.8, 0.0).astype(np.float32),
             rl_values=np.where(completion, rng.normal(0, 1, n), 0).astype(np.float32), rl_mask=completion,
             ce_values=np.zeros(n, np.float32), ce_mask=np.zeros(n, bool),
         ))
@@ -85,14 +86,16 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / seconds
 
 
-def bare_step(model, optimizer, micro_batches, device: torch.device) -> None:
+def bare_step(model, optimizer, micro_batches, device: torch.device, dtype: torch.dtype) -> None:
+    """Forward/backward of each micro-batch under the trainer's autocast (float32 weights, `dtype` compute)."""
     optimizer.zero_grad(set_to_none=True)
-    dtype = next(model.parameters()).dtype
     for batch in micro_batches:
         ids = torch.from_numpy(batch.input_ids).to(device)
         mask = block_causal_mask(torch.from_numpy(batch.segment_ids).to(device), dtype)
         positions = torch.from_numpy(batch.position_ids).to(device)
-        logits = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                           use_cache=False).logits
         torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[1:]).backward()
     optimizer.step()
 
@@ -119,8 +122,8 @@ def run(repeats: int = 3) -> dict:
         trainer = Trainer(config, RunStorage(config.storage, config.name))
         trainer_s = best_seconds(lambda: trainer.train_step(0, samples), device, repeats)
         micro_batches = pack(samples, MICRO_BATCH_TOKENS)
-        bare_s = best_seconds(lambda: bare_step(trainer.module, trainer.optimizer, micro_batches, device),
-                              device, repeats)
+        bare_s = best_seconds(
+            lambda: bare_step(trainer.module, trainer.optimizer, micro_batches, device, trainer.dtype), device, repeats)
         flops_per_token = model_flops_per_token(trainer.module, tokens / len(samples))
         params = sum(p.numel() for p in trainer.module.parameters())
     peak = matmul_flops_per_s(device, getattr(torch, dtype))

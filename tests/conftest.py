@@ -88,3 +88,28 @@ def vllm_runtime(tiny_model_path):
 
     yield build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
     shutdown_engines()
+
+
+@pytest.fixture(scope="session")
+def realistic_model():
+    """The realistic fixture model (`trace_rl.realistic`), built once into a Hugging Face hub cache under the
+    session's cache, with HF_HUB_CACHE pointing there and HF_HUB_OFFLINE=1 for the rest of the session, so
+    `model.name = "trace-rl/qwen2-fixture"` resolves by hub id exactly as a downloaded model does.
+
+    Gives `repo_id`, `path` (its snapshot directory), `commit` and `cache` (the hub cache root).
+    """
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from trace_rl.realistic import REPO_ID, build_realistic_model
+
+    cache = Path(os.environ["TRACE_RL_CACHE"]) / "hf-hub"
+    path = build_realistic_model(cache)
+    saved = {key: os.environ.get(key) for key in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
+    os.environ.update({"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    yield SimpleNamespace(repo_id=REPO_ID, path=str(path), commit=path.name, cache=cache)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -115,3 +115,30 @@ def test_config_schema_is_json_with_the_contract_keys():
     schema = json.loads(out.stdout)
     for key in ("name", "steps", "seed", "storage", "actor", "algorithms", "model", "models", "env", "trainer"):
         assert key in schema["properties"]
+
+
+def test_top_p_below_one_on_the_trained_policy_is_refused_but_allowed_for_another_actor():
+    [found] = problems(minimal(env=[{"id": "reverse-text", "sampling": {"top_p": 0.9}}]))
+    assert found.startswith("env.0.sampling.top_p = 0.9: the trained policy must sample from its full distribution")
+    reference = {"reference": {"name": "tiny", "tokens": True}}
+    config = validate_config(minimal(sampling={"top_p": 0.9}, actor="reference", models=reference,
+                                     algorithms=["sft"]))
+    assert config.sampling.top_p == 0.9
+
+
+def test_stop_tokens_must_be_tokens_of_the_model(tiny_model_path):
+    [found] = problems(minimal(model={"stop_tokens": ["<|im_end|>", "<|eot_id|>"]}))
+    assert found.startswith("model.stop_tokens: '<|eot_id|>' is not a token of tiny's tokenizer")
+    [found] = problems(minimal(model={"name": tiny_model_path, "stop_tokens": ["</s>"]}))
+    assert f"model.stop_tokens: '</s>' is not a token of {tiny_model_path}'s tokenizer" in found
+    config = validate_config(minimal(model={"name": tiny_model_path, "stop_tokens": ["<|im_end|>", "<|endoftext|>"]}))
+    assert config.model.stop_tokens == ["<|im_end|>", "<|endoftext|>"]
+
+
+
+def test_stop_tokens_of_a_hub_model_are_checked_against_its_cached_tokenizer(realistic_model):
+    model = {"name": realistic_model.repo_id, "stop_tokens": ["<|im_end|>", "<|eot|>"]}
+    [found] = problems(minimal(model=model))
+    assert found.startswith(f"model.stop_tokens: '<|eot|>' is not a token of {realistic_model.repo_id}'s tokenizer")
+    model["stop_tokens"] = ["<|im_end|>", "<|endoftext|>"]
+    assert validate_config(minimal(model=model)).model.stop_tokens == ["<|im_end|>", "<|endoftext|>"]

@@ -4,17 +4,17 @@ and <think> reasoning, driven by scripted completions so every expected token is
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from trace_rl.models import Generation
+from trace_rl.realistic import chat_template
 from trace_rl.render import Conversation, RenderError, Renderer
 from trace_rl.tiny import build_tokenizer
 from trace_rl.trace import Message, ToolCall, Trace
 
-QWEN_STYLE = (Path(__file__).parent / "templates" / "qwen_style.jinja").read_text()
+QWEN_STYLE = chat_template()  # trace_rl/templates/qwen_style.jinja, also the realistic fixture's template
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 
 

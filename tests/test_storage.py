@@ -25,8 +25,8 @@ def sample_batch():
     return [
         TrainingSample(
             trace_id=f"t{i}", branch_index=0, env="reverse-text", input_ids=np.arange(n), temperature=0.7,
-            inference_logprobs=np.full(n, -0.25), rl_values=np.linspace(0, 1, n), rl_mask=np.arange(n) > 1,
-            ce_values=np.zeros(n), ce_mask=np.zeros(n, bool),
+            sampled=np.arange(n) > 1, inference_logprobs=np.full(n, -0.25), rl_values=np.linspace(0, 1, n),
+            rl_mask=np.arange(n) > 1, ce_values=np.zeros(n), ce_mask=np.zeros(n, bool),
         )
         for i, n in enumerate([4, 9])
     ]
@@ -57,11 +57,27 @@ def test_batches_round_trip_exactly(storage):
     back = read_batch(storage, 0)
     for a, b in zip(batch, back):
         assert (a.trace_id, a.branch_index, a.env) == (b.trace_id, b.branch_index, b.env)
-        for name in ("input_ids", "inference_logprobs", "rl_values", "rl_mask", "ce_values", "ce_mask"):
+        for name in ("input_ids", "sampled", "inference_logprobs", "rl_values", "rl_mask", "ce_values", "ce_mask"):
             expected = getattr(a, name)
             got = getattr(b, name)
-            assert got.dtype == {"input_ids": np.int32, "rl_mask": np.bool_, "ce_mask": np.bool_}.get(name, np.float32)
+            bools = {"sampled": np.bool_, "rl_mask": np.bool_, "ce_mask": np.bool_}
+            assert got.dtype == {"input_ids": np.int32, **bools}.get(name, np.float32)
             np.testing.assert_array_equal(got, expected.astype(got.dtype))
+
+
+def test_a_batch_without_the_sampled_column_reads_as_all_sampled(tmp_path):
+    """batch.parquet written before `sampled` existed: every token at the sample's temperature, as it trained then."""
+    import pyarrow.parquet as pq
+
+    from trace_rl.tables import samples_to_table
+
+    storage = RunStorage(str(tmp_path), "run")
+    write_batch(storage, 0, sample_batch())
+    path = storage.step_path(0, "batch.parquet")
+    pq.write_table(samples_to_table(sample_batch()).drop_columns(["sampled"]), path)
+    back = read_batch(storage, 0)
+    assert [b.sampled.tolist() for b in back] == [[True] * 4, [True] * 9]
+    assert back[1].rl_mask.tolist() == (np.arange(9) > 1).tolist()
 
 
 def test_layout_uses_six_digit_steps(storage):

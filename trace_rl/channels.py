@@ -48,7 +48,7 @@ def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSamp
             if np.count_nonzero(rl_mask) or np.count_nonzero(ce_mask):
                 samples.append(TrainingSample(
                     trace_id=trace.id, branch_index=branch.index, env=trace.env, input_ids=branch.token_ids,
-                    temperature=branch.temperature, inference_logprobs=branch.logprobs,
+                    temperature=branch.temperature, sampled=branch.sampled, inference_logprobs=branch.logprobs,
                     rl_values=rl_values, rl_mask=rl_mask, ce_values=ce_values, ce_mask=ce_mask,
                 ))
     return samples

@@ -47,8 +47,15 @@ class ModelConfig(Strict):
     """The trained model (`[model]`); at run time its key is `policy`."""
 
     name: str = Field("tiny", description="HF id, local directory, or 'tiny' (built offline, see docs/models.md)")
+    revision: str | None = Field(
+        None, description="for an HF id: branch, tag or commit hash of the snapshot every process loads "
+        "(default 'main'; a commit hash pins it); ignored for 'tiny' and local directories")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights dtype in the trainer and sampler (bfloat16 on GPUs)")
+        "float32", description="the sampler's weights and the trainer's compute (autocast) and export dtype; "
+        "the trainer's master weights stay float32 (bfloat16 on GPUs)")
+    stop_tokens: list[str] | None = Field(
+        None, min_length=1, description="tokens that end a model turn, the first being the chat template's "
+        "end-of-turn token (default: the tokenizer's eos token), e.g. ['<|im_end|>', '<|endoftext|>']")
 
 
 class ExtraModelConfig(ModelConfig):
@@ -106,6 +113,9 @@ class LossConfig(Strict):
     dppo_mask_low: float = Field(0.2, ge=0, description="drop A<0 tokens whose probability fell by more than this")
     dppo_mask_high: float = Field(0.2, ge=0, description="drop A>0 tokens whose probability rose by more than this")
     kl_tau: float = Field(1e-3, ge=0, description="weight of the log-ratio**2 penalty on rl tokens")
+    max_is_ratio: float | None = Field(
+        None, gt=0, description="truncated importance sampling: cap the ratio pi/pi_inf in the policy gradient "
+        "at this value (unset: no cap)")
 
 
 class TrainerConfig(Strict):
@@ -185,6 +195,22 @@ class Config(Strict):
                 raise ValueError(f"actor: models.{self.actor} must set tokens = true to sample rollouts")
         return self
 
+    @model_validator(mode="after")
+    def _check_truncation(self) -> Config:
+        """The trainer computes log_softmax(logits / T) over the whole vocabulary; a policy that samples from a
+        top-p-truncated distribution would be trained on logprobs of a distribution it did not sample from."""
+        if self.actor != POLICY:
+            return self
+        where = [("sampling", self.sampling)] + [(f"env.{i}.sampling", e.sampling) for i, e in enumerate(self.env)]
+        truncated = [f"{name}.top_p = {s.top_p:g}" for name, s in where if s is not None and s.top_p < 1.0]
+        if truncated:
+            raise ValueError(
+                f"{', '.join(truncated)}: the trained policy must sample from its full distribution (top_p = 1), "
+                "since the trainer's logprobs and importance ratios are of the untruncated softmax; use temperature "
+                "to sharpen sampling instead, or sample with another model (actor = '<key>')"
+            )
+        return self
+
     def algorithms_for(self, env: EnvConfig) -> list[AlgorithmConfig]:
         return env.algorithms if env.algorithms is not None else self.algorithms
 
@@ -256,8 +282,10 @@ def validate_config(data: dict[str, Any]) -> Config:
         raise ConfigError([_describe(err, Config) for err in exc.errors()]) from None
     from trace_rl.algorithms.check import check_algorithms
     from trace_rl.envs.base import check_envs
+    from trace_rl.hub import check_models
+    from trace_rl.models import check_stop_tokens
 
-    problems = check_envs(config) + check_algorithms(config)
+    problems = check_envs(config) + check_algorithms(config) + check_models(config) + check_stop_tokens(config)
     if problems:
         raise ConfigError(problems)
     return config

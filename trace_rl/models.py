@@ -24,6 +24,7 @@ class RuntimeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     key: str
     name: str
+    revision: str | None = None  # of a Hub id: every process resolves `name` to the same snapshot
     dtype: str = "float32"
     tokens: bool = True
     backend: Literal["hf", "vllm"] = "hf"
@@ -35,6 +36,7 @@ class RuntimeConfig(BaseModel):
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     request_timeout_s: float = 120.0
+    stop_tokens: list[str] | None = None  # None: the tokenizer's eos token
     reload_timeout_s: float = 600.0
 
 
@@ -64,6 +66,62 @@ class ModelRuntime(Protocol):
 
     async def load_weights(self, local_dir: str, version: int) -> None:
         """Switch to the safetensors weights in `local_dir`; on failure the old weights stay."""
+
+
+# Every sampler sets these on every request, whatever the model's generation_config.json says:
+# the trainer computes log_softmax(logits / T) of the sampled token, so the sampler must sample
+# from exactly that distribution (top_p is the one truncation allowed, and only for actors the
+# trainer does not train; see docs/models.md).
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+
+
+class StopTokenError(ValueError):
+    """A configured stop token that is not one token of the model's tokenizer."""
+
+
+def stop_token_ids(tokenizer, stop_tokens: list[str] | None, key: str = "model") -> list[int]:
+    """The token ids that end a model turn: `stop_tokens` (each one token of the vocabulary), else the eos token."""
+    names = stop_tokens or [tokenizer.eos_token]
+    ids = []
+    for name in names:
+        token_id = tokenizer.convert_tokens_to_ids(name)
+        if token_id is None or (token_id == tokenizer.unk_token_id and name != tokenizer.unk_token):
+            raise StopTokenError(f"{key}.stop_tokens: {name!r} is not a token of the model's tokenizer; "
+                                 "list end-of-turn tokens as they appear in its vocabulary, e.g. '<|im_end|>'")
+        ids.append(int(token_id))
+    return ids
+
+
+def check_stop_tokens(config: Config) -> list[str]:
+    """Config-time check (no torch): every `stop_tokens` entry is one token of its model's tokenizer.
+
+    Reads `tokenizer.json` with `tokenizers` for a local directory or a Hub id already in the cache; for
+    `tiny` the vocabulary is its byte alphabet and special tokens. Models not on disk yet are checked when
+    they load."""
+    from trace_rl.hub import local_model_dir
+    from trace_rl.tiny import parse_tiny, tiny_vocabulary
+
+    models = [("model", config.model), *((f"models.{key}", m) for key, m in config.models.items())]
+    problems = []
+    for where, model in models:
+        if not model.stop_tokens:
+            continue
+        if parse_tiny(model.name) is not None:
+            vocabulary = tiny_vocabulary()
+            known = lambda token: token in vocabulary  # noqa: E731
+        else:
+            directory = local_model_dir(model.name, model.revision)
+            if directory is None or not (directory / "tokenizer.json").is_file():
+                continue
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+            known = lambda token: tokenizer.token_to_id(token) is not None  # noqa: E731
+        problems += [f"{where}.stop_tokens: {token!r} is not a token of {model.name}'s tokenizer; list end-of-turn "
+                     "tokens as they appear in its vocabulary, e.g. '<|im_end|>'"
+                     for token in model.stop_tokens if not known(token)]
+    return problems
 
 
 def load_tokenizer(model_path: str):
@@ -98,8 +156,10 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
         POLICY: RuntimeConfig(
             key=POLICY,
             name=config.model.name,
+            revision=config.model.revision,
             dtype=config.model.dtype,
             base_urls=[inference.base_url] if inference.base_url else [],
+            stop_tokens=config.model.stop_tokens,
             **engine,
         )
     }
@@ -108,7 +168,8 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
         name = f"tiny:{seed}" if model.name == "tiny" else model.name
         urls = [model.base_url] if isinstance(model.base_url, str) else list(model.base_url or [])
         configs[key] = RuntimeConfig(
-            key=key, name=name, dtype=model.dtype, tokens=model.tokens, base_urls=urls, **{**engine, "seed": seed}
+            key=key, name=name, revision=model.revision, dtype=model.dtype, tokens=model.tokens, base_urls=urls,
+            stop_tokens=model.stop_tokens, **{**engine, "seed": seed}
         )
     return configs
 

@@ -130,5 +130,7 @@ def train_config(config: Config, out: RunStorage, model: str) -> Config:
     data = config.model_dump(mode="json")
     data["storage"], data["name"] = out.storage, out.name
     data["storage_options"] = out.storage_options
+    if model != data["model"]["name"]:
+        data["model"]["revision"] = None  # the source run's revision was of its own model, not of `model`
     data["model"]["name"] = model
     return validate_config(data)

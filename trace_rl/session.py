@@ -73,14 +73,14 @@ class Session:
         every session of the process and may hold another run's weights.
         """
         from trace_rl.inference.broadcast import broadcast_weights
-        from trace_rl.tiny import resolve_model_path
+        from trace_rl.hub import resolve_model_path
 
         wanted = step - 1
         if self._policy_version == wanted:
             return
         runtime = self.runtimes[POLICY]
         if wanted == 0:
-            await runtime.load_weights(resolve_model_path(self.config.model.name), 0)
+            await runtime.load_weights(resolve_model_path(self.config.model.name, self.config.model.revision), 0)
             runtime.policy_version = 0
         else:
             await broadcast_weights(runtime, self.storage, wanted)  # fails, naming the step, if not STABLE

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trace_rl.algorithms.base import Channel
@@ -56,6 +57,7 @@ BATCH_SCHEMA = pa.schema(
         ("env", pa.string()),
         ("input_ids", pa.list_(pa.int32())),
         ("temperature", pa.float32()),
+        ("sampled", pa.list_(pa.bool_())),
         ("inference_logprobs", pa.list_(pa.float32())),
         *[col for loss in LOSS_NAMES for col in ((f"{loss}_values", pa.list_(pa.float32())),
                                                   (f"{loss}_mask", pa.list_(pa.bool_())))],
@@ -154,6 +156,7 @@ class TrainingSample:
     env: str
     input_ids: np.ndarray
     temperature: float
+    sampled: np.ndarray  # bool per token: produced by the sampler (at `temperature`); else prompt/observation (at 1)
     inference_logprobs: np.ndarray
     rl_values: np.ndarray
     rl_mask: np.ndarray
@@ -165,7 +168,7 @@ class TrainingSample:
 
 
 _SAMPLE_DTYPES = {
-    "input_ids": np.int32, "inference_logprobs": np.float32,
+    "input_ids": np.int32, "sampled": np.bool_, "inference_logprobs": np.float32,
     **{f"{loss}_{part}": (np.float32 if part == "values" else np.bool_) for loss in LOSS_NAMES
        for part in ("values", "mask")},
 }
@@ -181,6 +184,11 @@ def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
 
 
 def table_to_samples(table: pa.Table) -> list[TrainingSample]:
+    """The samples of a batch table. A table written before the `sampled` column existed reads as all-sampled:
+    every position at the sample's temperature, exactly as such a batch was trained then."""
+    if "sampled" not in table.column_names:
+        lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+        table = table.append_column("sampled", list_column([np.ones(n, np.bool_) for n in lengths], np.bool_))
     columns = {name: table.column(name) for name in BATCH_SCHEMA.names}
     samples = []
     for row in range(table.num_rows):

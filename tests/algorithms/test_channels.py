@@ -46,6 +46,9 @@ def test_same_loss_channels_sum_inside_their_masks_and_masks_or():
     assert a.temperature == pytest.approx(0.7)
     np.testing.assert_array_equal(a.input_ids, traces[0].branches[0].token_ids)
     np.testing.assert_array_equal(a.inference_logprobs, traces[0].branches[0].logprobs)
+    # which tokens the sampler produced (at 0.7) and which it did not (the echo token 2: trained at temperature 1)
+    np.testing.assert_array_equal(a.sampled, traces[0].branches[0].sampled)
+    assert a.sampled.any() and not a.sampled[2]
     # a loss nobody produced is all zero / False
     assert c.rl_values.dtype == np.float32 and not c.rl_values.any() and not c.rl_mask.any()
     np.testing.assert_array_equal(c.ce_mask, mask_at([2, 3]))
@@ -68,6 +71,7 @@ def test_samples_map_onto_batch_parquet(tmp_path):
     assert [s.trace_id for s in again] == ["a", "c"]
     np.testing.assert_allclose(again[0].rl_values, samples[0].rl_values)
     np.testing.assert_array_equal(again[0].ce_mask, samples[0].ce_mask)
+    np.testing.assert_array_equal(again[0].sampled, samples[0].sampled)
 
 
 def test_channels_round_trip_through_parquet(tmp_path):

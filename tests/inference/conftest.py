@@ -26,8 +26,8 @@ def trainer_logprobs(model_dir: str, token_ids: list[int], temperature: float) -
     zeros = np.zeros(n, dtype=np.float32)
     sample = TrainingSample(
         trace_id="t", branch_index=0, env="e", input_ids=np.asarray(token_ids, dtype=np.int32),
-        temperature=temperature, inference_logprobs=zeros, rl_values=zeros, rl_mask=zeros.astype(bool),
-        ce_values=zeros, ce_mask=zeros.astype(bool),
+        temperature=temperature, sampled=np.ones(n, bool), inference_logprobs=zeros, rl_values=zeros,
+        rl_mask=zeros.astype(bool), ce_values=zeros, ce_mask=zeros.astype(bool),
     )
     with torch.no_grad():
         lp, _ = token_logprobs(model, collate([sample]), torch.device("cpu"))

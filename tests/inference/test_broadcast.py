@@ -80,3 +80,24 @@ def test_broadcast_stages_object_storage_weights_locally(hf_runtime, s3_server, 
     finally:
         asyncio.run(hf_runtime.load_weights(tiny_model_path, 0))
         hf_runtime.policy_version = 0
+
+
+@pytest.mark.vllm
+def test_reload_never_serves_prefix_cached_kv_of_the_old_weights(vllm_runtime, tiny_model_path, updated_weights):
+    """Prompts of 300 tokens share a 280-token prefix (two full 128-token KV blocks, cached by the first
+    request); after a reload the sampled logprobs must be the new weights', not the cached old KV's."""
+    runtime = vllm_runtime
+    prefix = [(5 * i) % 250 + 5 for i in range(280)]
+    first, second = prefix + list(range(10, 30)), prefix + list(range(40, 60))
+    sample = lambda prompt: asyncio.run(  # noqa: E731
+        runtime.generate(prompt, temperature=0.8, max_tokens=8, top_p=1.0, seed=2))
+    try:
+        sample(first)  # caches the prefix's KV blocks under the old weights
+        asyncio.run(broadcast_weights(runtime, updated_weights, UPDATED_STEP))
+        generation = sample(second)
+    finally:
+        asyncio.run(runtime.load_weights(tiny_model_path, 0))
+        runtime.policy_version = 0
+    new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
+    expected = trainer_logprobs(new_dir, second + generation.token_ids, 0.8)[len(second):]
+    np.testing.assert_allclose(generation.logprobs, expected, atol=TOLERANCE)

@@ -54,3 +54,23 @@ def test_vllm_and_hf_agree_on_scores(hf_runtime, vllm_runtime, prompt_ids):
     tokens = prompt_ids + [60, 61, 62]
     hf, vllm = (asyncio.run(r.score(tokens)) for r in (hf_runtime, vllm_runtime))
     np.testing.assert_allclose(hf, vllm, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_configured_stop_tokens_end_a_turn(backend, tiny_model_path, prompt_ids, request):
+    """A second stop token ends generation as the eos token does, in every sampler (vLLM: the session engine)."""
+    from trace_rl.models import RuntimeConfig, build_runtime
+
+    if backend == "vllm":
+        request.getfixturevalue("vllm_runtime")  # the engine this runtime shares
+    from tests.conftest import VLLM_ENGINE
+
+    runtime = build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend=backend,
+                                          stop_tokens=["<|im_end|>", "e"], **VLLM_ENGINE))
+    tokenizer = runtime.tokenizer
+    assert runtime.stop_token_ids == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("e")]
+    ended = [asyncio.run(runtime.generate(prompt_ids, temperature=1.5, max_tokens=64, top_p=1.0, seed=seed))
+             for seed in range(8)]
+    stopped = [g for g in ended if g.finish_reason == "stop"]
+    assert stopped and all(g.token_ids[-1] in runtime.stop_token_ids for g in stopped)
+    assert all(t not in runtime.stop_token_ids for g in ended for t in g.token_ids[:-1])

@@ -16,7 +16,7 @@ def make_sample(rng: np.random.Generator, name: str, length: int, temperature: f
     """Random tokens; the second half is 'sampled': rl on some samples' tokens, ce on others'."""
     completion = np.arange(length) >= length // 2
     use_ce = rng.random() < 0.3
-    rl_mask = completion & ~use_ce & (rng.random(length) < 0.9)
+    rl_mask = completion & (not use_ce) & (rng.random(length) < 0.9)
     ce_mask = completion & use_ce
     return TrainingSample(
         trace_id=name,
@@ -24,6 +24,7 @@ def make_sample(rng: np.random.Generator, name: str, length: int, temperature: f
         env="synthetic",
         input_ids=rng.integers(0, VOCAB, length).astype(np.int32),
         temperature=temperature,
+        sampled=completion,
         inference_logprobs=np.where(completion, -rng.uniform(4.5, 7.0, length), 0.0).astype(np.float32),
         rl_values=np.where(rl_mask, rng.normal(0, 1, length), 0.0).astype(np.float32),
         rl_mask=rl_mask,

@@ -33,7 +33,7 @@ def test_rl_with_ratio_one_is_minus_mean_advantage():
     assert loss == pytest.approx((-1.0 + 2.0) / 2)
     # d(-A r)/d lp = -A r = -A at r = 1
     assert grad == pytest.approx([-0.5, 1.0, 0.0])
-    assert metrics["tokens/rl"] == 2 and metrics["mismatch_kl"] == pytest.approx(0.0)
+    assert metrics["tokens/rl"] == 2 and metrics["mismatch/k3_kl"] == pytest.approx(0.0)
     assert metrics["trust_region_masked"] == 0.0
 
 
@@ -53,7 +53,60 @@ def test_trust_region_drops_one_token_on_each_side():
     expected_grad = [(p + 2 * 0.1 * x) / 4 for p, x in zip(policy, log_r)]
     assert grad == pytest.approx(expected_grad)
     assert metrics["trust_region_masked"] == pytest.approx(2 / 4)
-    assert metrics["mismatch_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in log_r) / 4)
+    assert metrics["mismatch/k3_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in log_r) / 4)
+
+
+def test_truncated_importance_sampling_caps_the_ratio_of_high_ratio_tokens():
+    log, tau = math.log, 0.1
+    # r = [3.0, 1.0, 1.25, 0.5]; the cap C = 2 binds on token 0 only. The trust region is opened wide
+    # (dp of token 0 is 0.4) so that every token stays in the policy term.
+    lp = [log(0.6), log(0.3), log(0.5), log(0.1)]
+    lp_inf = [log(0.2), log(0.3), log(0.4), log(0.2)]
+    adv = [1.0, -2.0, 0.5, 1.0]
+    rl = (adv, [T, T, T, T])
+    wide = {"dppo_mask_high": 1.0, "dppo_mask_low": 1.0, "kl_tau": tau}
+    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales={"rl": 4, "ce": 0}, max_is_ratio=2.0, **wide)
+    log_r = [log(3.0), 0.0, log(1.25), log(0.5)]
+    kl = [tau * x * x for x in log_r]
+    # value and gradient of the policy term use min(r, C) = [2, 1, 1.25, 0.5]; the kl term is untouched
+    assert loss == pytest.approx((-(1.0 * 2.0) + 2.0 * 1.0 - 0.5 * 1.25 - 1.0 * 0.5 + sum(kl)) / 4)
+    expected = [-1.0 * 2.0, 2.0 * 1.0, -0.5 * 1.25, -1.0 * 0.5]
+    assert grad == pytest.approx([(g + 2 * tau * x) / 4 for g, x in zip(expected, log_r)])
+    # uncapped, token 0's gradient is -A r = -3: the cap scaled it by C / r = 2/3; the others are unchanged
+    _, uncapped, _ = run(lp, lp_inf, rl=rl, scales={"rl": 4, "ce": 0}, **wide)
+    assert uncapped[0] == pytest.approx((-3.0 + 2 * tau * log(3.0)) / 4) and uncapped[1:] == pytest.approx(grad[1:])
+
+    assert metrics["mismatch/is_capped_fraction"] == pytest.approx(1 / 4)
+    assert metrics["mismatch/mean_abs_logprob_diff"] == pytest.approx((log(3.0) + log(1.25) + log(2.0)) / 4)
+    assert metrics["mismatch/k3_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in log_r) / 4)
+    assert metrics["trust_region_masked"] == 0.0
+
+
+def test_capped_tokens_still_leave_through_the_trust_region():
+    # r = 3 > C but A > 0 and dp = 0.4 > 0.2: dropped from the policy term as without a cap; only kl remains
+    _, grad, metrics = run([math.log(0.6)], [math.log(0.2)], rl=([1.0], [T]), max_is_ratio=2.0, kl_tau=0.1)
+    assert grad == pytest.approx([2 * 0.1 * math.log(3.0)])
+    assert metrics["trust_region_masked"] == 1.0 and metrics["mismatch/is_capped_fraction"] == 1.0
+
+
+def test_no_cap_or_a_cap_that_never_binds_is_todays_loss_exactly():
+    log = math.log
+    lp = [log(0.9), log(0.2), log(0.9), log(0.5), -3.0]
+    lp_inf = [log(0.5), log(0.6), log(0.5), log(0.4), -2.0]
+    rl = ([1.0, -1.0, -1.0, 1.0, 0.7], [T, T, T, T, T])
+    base = run(lp, lp_inf, rl=rl, scales={"rl": 5, "ce": 0}, kl_tau=0.1)
+    assert LossConfig().max_is_ratio is None
+    for cap in (None, 10.0):
+        loss, grad, metrics = run(lp, lp_inf, rl=rl, scales={"rl": 5, "ce": 0}, kl_tau=0.1, max_is_ratio=cap)
+        assert loss == base[0] and grad == base[1]  # bitwise, also when the cap's arithmetic runs
+        assert metrics["mismatch/is_capped_fraction"] == 0.0
+
+
+def test_capped_ratio_stays_finite_where_the_ratio_underflows_or_overflows():
+    # r = exp(-200) = 0 and exp(+200) = inf in float32: the capped term is 0 and C, with gradients -A * min(r, C)
+    loss, grad, _ = run([-201.0, -1.0], [-1.0, -201.0], rl=([1.0, 1.0], [T, T]), max_is_ratio=2.0, kl_tau=0.0,
+                        dppo_mask_high=2.0)
+    assert loss == pytest.approx(-2.0) and grad == pytest.approx([0.0, -2.0])
 
 
 def test_trust_region_bounds_are_configurable():

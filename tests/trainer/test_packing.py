@@ -54,17 +54,69 @@ def test_packed_logprobs_equal_each_sample_alone(model):
     torch.testing.assert_close(entropy_packed, torch.cat([e for _, e in alone]), atol=1e-5, rtol=0)
 
 
-def test_logits_are_divided_by_the_sample_temperature(model):
-    sample = dataclasses.replace(make_batch(3, n=1)[0], temperature=0.5)
+def test_sampled_tokens_at_the_sample_temperature_others_at_one(model):
+    """A sampled token's logprob is at the branch's temperature; a token nothing sampled (a prompt, or a user/tool
+    observation trained by a ce channel such as echo) is the model's own logprob, at temperature 1."""
+    sample = dataclasses.replace(make_batch(3, n=1, min_len=16, max_len=16)[0], temperature=0.5)
+    n = len(sample)
+    # tokens 0-5 prompt, 6-9 sampled, 10-12 a tool observation trained by ce, 13-15 sampled again
+    sampled = np.isin(np.arange(n), [6, 7, 8, 9, 13, 14, 15])
+    ce_mask = np.isin(np.arange(n), [10, 11, 12])
+    sample = dataclasses.replace(sample, sampled=sampled, ce_mask=ce_mask, ce_values=ce_mask.astype(np.float32),
+                                 rl_mask=sampled.copy(), rl_values=sampled.astype(np.float32))
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
     with torch.no_grad():
-        lp, _ = token_logprobs(model, collate([sample]), torch.device("cpu"))
-        logits = model(input_ids=ids[None]).logits[0]
-    expected = torch.log_softmax(logits[:-1] / 0.5, -1).gather(-1, ids[1:, None]).squeeze(-1)
+        lp, entropy = token_logprobs(model, collate([sample]), torch.device("cpu"))
+        logits = model(input_ids=ids[None]).logits[0, :-1]
+    at_t = torch.log_softmax(logits / 0.5, -1).gather(-1, ids[1:, None]).squeeze(-1)
+    at_1 = torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).squeeze(-1)
+    expected = torch.where(torch.from_numpy(sampled[1:]), at_t, at_1)
     torch.testing.assert_close(lp[1:], expected, atol=1e-5, rtol=0)
     assert lp[0] == 0.0
-    plain = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)
-    assert (lp[1:] - plain).abs().max() > 1e-3
+    # the ce observation tokens 10-12 sit at temperature 1, and that differs from temperature 0.5
+    torch.testing.assert_close(lp[10:13], at_1[9:12], atol=1e-5, rtol=0)
+    assert (at_t[9:12] - at_1[9:12]).abs().min() > 1e-3
+    torch.testing.assert_close(lp[6:10], at_t[5:9], atol=1e-5, rtol=0)
+    # the entropy follows the same rule
+    p1 = torch.softmax(logits[9], -1)
+    assert entropy[10].item() == pytest.approx(-(p1 * p1.log()).sum().item(), abs=1e-4)
+
+
+def test_chunked_logprobs_equal_the_full_logits_path_with_gradients(model):
+    """The chunked output layer (recomputed in backward) gives the full-logits numbers and gradients within 1e-5."""
+    samples = make_batch(11, n=5, min_len=20, max_len=40)
+    batch = collate(samples)
+    weights = torch.from_numpy(np.random.default_rng(0).normal(size=batch.num_tokens).astype(np.float32))
+    results = {}
+    for chunk_size in (None, 7, 64, 4096):
+        model.zero_grad(set_to_none=True)
+        lp, entropy = token_logprobs(model, batch, torch.device("cpu"), chunk_size=chunk_size)
+        (weights * lp).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results[chunk_size] = (lp.detach(), entropy, grads)
+    model.zero_grad(set_to_none=True)
+    lp_full, entropy_full, grads_full = results[None]
+    assert entropy_full.requires_grad is False
+    for chunk_size in (7, 64, 4096):
+        lp, entropy, grads = results[chunk_size]
+        torch.testing.assert_close(lp, lp_full, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, entropy_full, atol=1e-5, rtol=0)
+        assert grads.keys() == grads_full.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_full[name], atol=1e-5, rtol=1e-4)
+    assert max(g.abs().max().item() for g in grads_full.values()) > 1e-3
+
+
+def test_a_one_token_row_still_runs_backward(model):
+    """What a rank without work runs so its collectives match: a 1-token row, attached to the graph, zero gradient."""
+    from trace_rl.trainer.packing import empty_micro_batch
+
+    lp, entropy = token_logprobs(model, empty_micro_batch(), torch.device("cpu"))
+    assert lp.tolist() == [0.0] and entropy.tolist() == [0.0] and lp.requires_grad
+    model.zero_grad(set_to_none=True)
+    lp.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
 
 
 def test_too_long_sample_is_named():

@@ -64,7 +64,7 @@ class Sampler:
         async def generate(prompt_ids: list[int], turn: int) -> Generation:
             return await self.generate(prompt_ids, seed=derive_seed(seed, turn))
 
-        renderer = Renderer(self.runtime.tokenizer, tools)
+        renderer = Renderer(self.runtime.tokenizer, tools, end_of_turn=(self.runtime.config.stop_tokens or [None])[0])
         return Conversation(renderer, generate, temperature=self.sampling.temperature, messages=messages)
 
     async def generate(self, prompt_ids: list[int], *, seed: int) -> Generation:

@@ -1,6 +1,12 @@
-"""Tool calls in the tiny model's text format: `<tool_call>name {json arguments}</tool_call>`.
+"""Tool calls in a reply: `<tool_call>...</tool_call>` blocks in either of two formats.
 
-A well-formed reply becomes an assistant message with the text before the first call as its
+- Hermes/Qwen (what Qwen2.5 and most open chat models emit):
+  `<tool_call>\n{"name": "click_link", "arguments": {"page": 3}}\n</tool_call>`;
+  `arguments` may also be a JSON string holding the object.
+- the tiny model's compact form: `<tool_call>click_link {"page": 3}</tool_call>`.
+
+A block whose text starts with `{` is read as Hermes, any other as the compact form. A
+well-formed reply becomes an assistant message with the text before the first call as its
 content and the calls as `tool_calls`. A reply with any malformed call (unclosed, no name,
 arguments not a JSON object, text after the calls) runs none of its calls: it stays plain
 content, so re-rendering reproduces it exactly, and each problem becomes an error for the
@@ -17,7 +23,7 @@ from trace_rl.trace import Message, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
-NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -32,24 +38,52 @@ class ParsedReply:
     errors: list[ToolCallError] = field(default_factory=list)
 
 
+def parse_call(body: str) -> tuple[str, dict] | ToolCallError:
+    """(name, arguments) of one call's text, or why it is malformed."""
+    body = body.strip()
+    if body.startswith("{"):
+        return parse_hermes(body)
+    name, _, raw = body.partition(" ")
+    if not NAME.fullmatch(name):
+        return ToolCallError(None, f"malformed tool call {body[:80]!r}: expected "
+                                   '{"name": ..., "arguments": {...}} or \'name {json}\'')
+    try:
+        arguments = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError as exc:
+        return ToolCallError(name, f"arguments of {name} are not valid JSON: {exc.msg}")
+    if not isinstance(arguments, dict):
+        return ToolCallError(name, f"arguments of {name} must be a JSON object")
+    return name, arguments
+
+
+def parse_hermes(body: str) -> tuple[str, dict] | ToolCallError:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return ToolCallError(None, f"tool call is not valid JSON: {exc.msg} in {body[:80]!r}")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not NAME.fullmatch(call["name"]):
+        return ToolCallError(None, 'a tool call needs a "name" string: {"name": ..., "arguments": {...}}')
+    name, arguments = call["name"], call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return ToolCallError(name, f"arguments of {name} are not valid JSON: {exc.msg}")
+    if not isinstance(arguments, dict):
+        return ToolCallError(name, f"arguments of {name} must be a JSON object")
+    return name, arguments
+
+
 def parse_tool_calls(text: str, call_prefix: str) -> ParsedReply:
     """The assistant message of `text`; calls get ids `<call_prefix>-<i>`."""
     calls: list[ToolCall] = []
     errors: list[ToolCallError] = []
     for i, match in enumerate(CALL.finditer(text)):
-        name, _, raw = match.group(1).strip().partition(" ")
-        if not NAME.fullmatch(name):
-            errors.append(ToolCallError(None, f"malformed tool call {match.group(0)[:80]!r}: expected 'name {{json}}'"))
-            continue
-        try:
-            arguments = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
-            errors.append(ToolCallError(name, f"arguments of {name} are not valid JSON: {exc.msg}"))
-            continue
-        if not isinstance(arguments, dict):
-            errors.append(ToolCallError(name, f"arguments of {name} must be a JSON object"))
-            continue
-        calls.append(ToolCall(id=f"{call_prefix}-{i}", name=name, arguments=arguments))
+        parsed = parse_call(match.group(1))
+        if isinstance(parsed, ToolCallError):
+            errors.append(parsed)
+        else:
+            calls.append(ToolCall(id=f"{call_prefix}-{i}", name=parsed[0], arguments=parsed[1]))
     if text.count(OPEN) > text.count(CLOSE):
         errors.append(ToolCallError(None, f"unclosed {OPEN}: close every call with {CLOSE}"))
     if calls and text.rsplit(CLOSE, 1)[-1].strip():

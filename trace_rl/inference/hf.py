@@ -16,9 +16,12 @@ import numpy as np
 import torch
 
 from trace_rl.inference.weights import check_weights, safetensors_files
-from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
-from trace_rl.tiny import resolve_model_path
+from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
+from trace_rl.hub import resolve_model_path
 
+# transformers' names for the neutral values (top_k 0 and min_p 0 keep every token)
+NEUTRAL_SAMPLING_HF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": NEUTRAL_SAMPLING["repetition_penalty"],
+                       "typical_p": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,15 +31,18 @@ class HFRuntime:
     num_endpoints = 1
 
     def __init__(self, config: RuntimeConfig):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.key = config.key
         self.config = config
         self.policy_version = 0
-        path = resolve_model_path(config.name)
+        path = resolve_model_path(config.name, config.revision)
         self.tokenizer = load_tokenizer(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
         self.model.eval()
+        # the model's generation_config.json (top_k, repetition_penalty, ...) must not change what is sampled
+        self.model.generation_config = GenerationConfig()
+        self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
         self.device = torch.device("cpu")
         self._lock = threading.Lock()
 
@@ -47,7 +53,8 @@ class HFRuntime:
         return await asyncio.to_thread(self._generate, list(prompt_ids), temperature, max_tokens, top_p, seed)
 
     def _generate(self, prompt_ids: list[int], temperature: float, max_tokens: int, top_p: float, seed: int):
-        eos = self.tokenizer.eos_token_id
+        stops = self.stop_token_ids
+        pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -57,10 +64,10 @@ class HFRuntime:
                 do_sample=True,
                 temperature=temperature,
                 top_p=top_p,
-                top_k=0,
+                **NEUTRAL_SAMPLING_HF,
                 max_new_tokens=max_tokens,
-                eos_token_id=eos,
-                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+                eos_token_id=stops,
+                pad_token_id=pad if pad is not None else stops[0],
                 output_scores=True,
                 return_dict_in_generate=True,
             )
@@ -69,7 +76,7 @@ class HFRuntime:
         scores = torch.stack(out.scores, dim=1)[0].float()
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None])[:, 0]
         token_ids = tokens.tolist()
-        finish = "stop" if token_ids and token_ids[-1] == eos else "length"
+        finish = "stop" if token_ids and token_ids[-1] in stops else "length"
         return Generation(token_ids=token_ids, logprobs=logprobs.tolist(), finish_reason=finish)
 
     # -- scoring ----------------------------------------------------------------------

@@ -42,8 +42,8 @@ import numpy as np
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
-from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
-from trace_rl.tiny import resolve_model_path
+from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
+from trace_rl.hub import resolve_model_path
 
 LIVENESS_INTERVAL_S = 0.5
 EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")
@@ -59,6 +59,7 @@ def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
         "logprobs_mode": "processed_logprobs",
         "max_logprobs": -1,
         "worker_extension_cls": EXTENSION,
+        "generation_config": "vllm",  # the model's generation_config.json must not change what is sampled
     }
     if config.max_num_batched_tokens is not None:
         arguments["max_num_batched_tokens"] = config.max_num_batched_tokens
@@ -136,7 +137,7 @@ class EngineWorker:
     """A vLLM engine driven by a dedicated thread; submit requests or calls, get futures back."""
 
     def __init__(self, config: RuntimeConfig):
-        self.model_path = resolve_model_path(config.name)
+        self.model_path = resolve_model_path(config.name, config.revision)
         self.name = f"vLLM engine for {config.key!r} ({self.model_path})"
         self._config = config
         self._inbox: queue.Queue = queue.Queue()
@@ -319,7 +320,7 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
     carries its own seed, so runs of different seeds share an engine. A dead engine is
     replaced by a new one.
     """
-    key = (config.key, resolve_model_path(config.name), config.dtype, config.max_model_len,
+    key = (config.key, resolve_model_path(config.name, config.revision), config.dtype, config.max_model_len,
            config.max_num_batched_tokens, config.enforce_eager)
     with ENGINES_LOCK:
         if key in ENGINES and ENGINES[key]._error is not None:
@@ -347,17 +348,15 @@ class VLLMEngineRuntime:
         self.policy_version = 0
         self.worker = engine_for(config)
         self.tokenizer = load_tokenizer(self.worker.model_path)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
+        self.vocab_size = self.worker.llm.llm_engine.model_config.get_vocab_size()
         self._expected = local_tensor_shapes(self.worker.model_path)
 
     async def generate(
         self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
     ) -> Generation:
-        from vllm import SamplingParams
-
-        params = SamplingParams(
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0, detokenize=False
-        )
-        output = (await asyncio.wrap_future(self.worker.submit(list(prompt_ids), params)))
+        output = await asyncio.wrap_future(self.worker.submit(list(prompt_ids), sampling_params(
+            self.stop_token_ids, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0)))
         output = output.outputs[0]
         token_ids = list(output.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(token_ids, output.logprobs)]
@@ -368,11 +367,13 @@ class VLLMEngineRuntime:
 
         At another temperature it asks for the full distribution at each position and
         rescales it: log_softmax(raw_logprobs / T) = log_softmax(logits / T). That costs
-        vocabulary-size work per token, fine for small vocabularies.
+        vocabulary-size work per token, so it is refused for large vocabularies.
         """
         from vllm import SamplingParams
 
         full = temperature != 1.0
+        if full:
+            check_full_distribution_scoring(self.key, len(self.tokenizer), self.vocab_size, temperature)
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, detokenize=False)
         output = await asyncio.wrap_future(self.worker.submit(list(token_ids), params))
         positions = [{t: lp.logprob for t, lp in entry.items()} for entry in output.prompt_logprobs[1:]]
@@ -390,6 +391,28 @@ class VLLMEngineRuntime:
 
         await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
         self.policy_version = version
+
+
+FULL_DISTRIBUTION_MAX_VOCAB = 32768
+
+
+def check_full_distribution_scoring(key: str, tokenizer_size: int, vocab_size: int, temperature: float) -> None:
+    """Scoring at T != 1 through vLLM needs every token's prompt logprob at every position; past
+    FULL_DISTRIBUTION_MAX_VOCAB that is gigabytes of Python objects per sequence, so say what to do instead."""
+    if max(tokenizer_size, vocab_size) > FULL_DISTRIBUTION_MAX_VOCAB:
+        raise ValueError(
+            f"model {key!r}: scoring at temperature {temperature:g} on vLLM needs the full distribution of its "
+            f"{vocab_size}-token vocabulary at every position (vLLM's prompt logprobs are at temperature 1); "
+            "score at temperature 1.0 (e.g. the opd/opsd option temperature = 1.0) or use backend = 'hf'"
+        )
+
+
+def sampling_params(stop_token_ids: list[int], **fields):
+    """vLLM SamplingParams of one request: its own fields, the stop tokens, and every other knob neutral."""
+    from vllm import SamplingParams
+
+    return SamplingParams(detokenize=False, stop_token_ids=stop_token_ids, ignore_eos=True, **NEUTRAL_SAMPLING,
+                          **fields)
 
 
 def prompt_logprobs_at(token_ids: list[int], positions: list[dict[int, float]], temperature: float) -> np.ndarray:

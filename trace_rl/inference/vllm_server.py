@@ -8,8 +8,10 @@ logprobs, which are the processed ones when the server runs with
 explicit endpoint so callers can spread scoring. Weight reloads use the server's
 dev-mode routes (`VLLM_SERVER_DEV_MODE=1`): pause, `collective_rpc` of the reload
 method of `trace_rl.inference.vllm_worker` (start the server with its
-`--worker-extension-cls`), resume; the weights directory must be readable by the
-server at the same path.
+`--worker-extension-cls`), reset the prefix cache, resume; the weights directory must be
+readable by the server at the same path. Every request pins the sampling knobs the
+trainer does not model (top_k, min_p, penalties) to neutral values and names its stop
+tokens, so a server's `--generation-config` defaults change nothing.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import itertools
 import httpx
 import numpy as np
 
-from trace_rl.inference.vllm_engine import prompt_logprobs_at
+from trace_rl.inference.vllm_engine import check_full_distribution_scoring, prompt_logprobs_at
 from trace_rl.inference.vllm_worker import RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
-from trace_rl.models import Generation, RuntimeConfig, load_tokenizer
-from trace_rl.tiny import resolve_model_path
+from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
+from trace_rl.hub import resolve_model_path
 
 
 class ServerError(RuntimeError):
@@ -41,8 +43,9 @@ class VLLMServerRuntime:
         self.config = config
         self.policy_version = 0
         self.base_urls = [url.rstrip("/").removesuffix("/v1") for url in config.base_urls]
-        model_path = resolve_model_path(config.name)
+        model_path = resolve_model_path(config.name, config.revision)
         self.tokenizer = load_tokenizer(model_path)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
         self._expected = local_tensor_shapes(model_path)
         self._next_endpoint = itertools.cycle(range(len(self.base_urls)))
         self._served_names: dict[str, str] = {}
@@ -77,7 +80,8 @@ class VLLMServerRuntime:
         choice = await self._complete(
             self.base_urls[next(self._next_endpoint)],
             prompt=list(prompt_ids), max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            logprobs=0, return_token_ids=True, skip_special_tokens=False,
+            logprobs=0, return_token_ids=True, skip_special_tokens=False, **NEUTRAL_SAMPLING,
+            stop_token_ids=self.stop_token_ids, ignore_eos=True,
         )
         return Generation(
             token_ids=list(choice["token_ids"]),
@@ -87,6 +91,8 @@ class VLLMServerRuntime:
 
     async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
         """Per-token logprobs (the first 0); see `VLLMEngineRuntime.score` for temperatures other than 1."""
+        if temperature != 1.0:
+            check_full_distribution_scoring(self.key, len(self.tokenizer), len(self.tokenizer), temperature)
         choice = await self._complete(
             self.base_urls[endpoint % len(self.base_urls)],
             prompt=list(token_ids), max_tokens=1, temperature=1.0,
@@ -107,5 +113,6 @@ class VLLMServerRuntime:
             check_weights(local_dir, self._expected)
             payload = {"method": RELOAD_METHOD, "kwargs": {"weights_path": local_dir}}
             await self._post(base_url, "/collective_rpc", payload)
+            await self._post(base_url, "/reset_prefix_cache")  # cached KV was computed with the old weights
         finally:
             await self._post(base_url, "/resume")

@@ -6,6 +6,10 @@ attention mask is block-diagonal causal, passed to the model as a 4D additive
 mask, which the eager and SDPA attention paths of transformers 4.5x and 5.x use
 as given. The first token of a sample has no prediction (its logprob is 0 by
 convention), so any mask there is dropped.
+
+Each token's logits divisor (`MicroBatch.temperature`) is the sample's temperature on
+tokens the sampler produced (`sampled`) and 1 on every other token (prompt, template,
+user or tool observations): nothing sampled those, so their logprob is the model's own.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from trace_rl.tables import LOSS_NAMES, TrainingSample
 
 CHANNEL_FIELDS = ("inference_logprobs", *(f"{loss}_{part}" for loss in LOSS_NAMES for part in ("values", "mask")))
-TOKEN_FIELDS = ("input_ids", *CHANNEL_FIELDS)
+TOKEN_FIELDS = ("input_ids", "sampled", *CHANNEL_FIELDS)
 
 
 class PackingError(ValueError):
@@ -74,7 +78,7 @@ class MicroBatch:
     input_ids: np.ndarray  # int64
     position_ids: np.ndarray  # int64, restarting at 0 for each sample
     segment_ids: np.ndarray  # int64, which sample of the micro-batch each token belongs to
-    temperature: np.ndarray  # float32, the sample's sampling temperature on each token
+    temperature: np.ndarray  # float32, logits divisor predicting each token: the sample temperature if sampled, else 1
     inference_logprobs: np.ndarray
     rl_values: np.ndarray
     rl_mask: np.ndarray
@@ -95,11 +99,12 @@ def collate(samples: list[TrainingSample]) -> MicroBatch:
     arrays = {name: np.concatenate([getattr(s, name) for s in samples]) for name in TOKEN_FIELDS}
     for loss in LOSS_NAMES:
         arrays[f"{loss}_mask"] = arrays[f"{loss}_mask"].astype(bool) & ~first_token
+    sample_temperature = np.repeat(np.array([s.temperature for s in samples], dtype=np.float32), lengths)
     return MicroBatch(
         input_ids=arrays.pop("input_ids").astype(np.int64),
         position_ids=np.arange(total, dtype=np.int64) - np.repeat(starts, lengths),
         segment_ids=np.repeat(np.arange(len(samples), dtype=np.int64), lengths),
-        temperature=np.repeat(np.array([s.temperature for s in samples], dtype=np.float32), lengths),
+        temperature=np.where(arrays.pop("sampled").astype(bool), sample_temperature, np.float32(1.0)),
         **{name: value.astype(np.float32) if not name.endswith("_mask") else value for name, value in arrays.items()},
     )
 
@@ -108,7 +113,10 @@ def empty_micro_batch() -> MicroBatch:
     """One token with no mask: a rank without work runs it so that its collectives still match the others'."""
     zero_f, zero_i = np.zeros(1, dtype=np.float32), np.zeros(1, dtype=np.int64)
     no = np.zeros(1, dtype=bool)
-    return MicroBatch(zero_i, zero_i, zero_i, np.ones(1, dtype=np.float32), zero_f, zero_f, no, zero_f, no)
+    return MicroBatch(
+        input_ids=zero_i, position_ids=zero_i, segment_ids=zero_i, temperature=np.ones(1, dtype=np.float32),
+        inference_logprobs=zero_f, rl_values=zero_f, rl_mask=no, ce_values=zero_f, ce_mask=no,
+    )
 
 
 def pack(samples: list[TrainingSample], limit: int, truncate: bool = False) -> list[MicroBatch]:

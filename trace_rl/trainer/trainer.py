@@ -1,13 +1,18 @@
 """The trainer: one optimizer step per training step over packed micro-batches.
 
 Works in one process or as one rank of a `torch.distributed` job (DDP or FSDP2),
-on CPU in fp32 or CUDA in bf16 alike: the device comes from `trainer.device` and
-the dtype from `model.dtype`.
+on CPU or CUDA: the device comes from `trainer.device`. Parameters, gradients and
+optimizer state are always float32 (the master weights); `model.dtype` bfloat16 or
+float16 runs the forward and backward under `torch.autocast` in that dtype, and the
+exported weights are cast to it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
+import math
 import os
 import tempfile
 from typing import Any
@@ -21,11 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from trace_rl.config import Config
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.tables import LOSS_NAMES, TrainingSample
-from trace_rl.tiny import resolve_model_path
+from trace_rl.hub import resolve_model_path
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, block_causal_mask, pack
@@ -48,30 +55,154 @@ def warmup_factor(warmup_steps: int):
     return lambda index: min(1.0, (index + 1) / warmup_steps) if warmup_steps else 1.0
 
 
-def token_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch at each sample's temperature.
+LOGITS_PER_CHUNK = 2**24  # logits per output-layer chunk: 64 MB in float32; a chunk's backward holds ~4 such
 
-    Position t predicts token t+1; the logits are divided by the temperature of the
-    sample of token t+1 before the log-softmax. A sample's first token gets 0.
+
+def chunk_positions(vocab_size: int) -> int:
+    """Positions per output-layer chunk: `LOGITS_PER_CHUNK // vocab_size` (110 at Qwen's 151,936 tokens)."""
+    return max(1, LOGITS_PER_CHUNK // vocab_size)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP wrapper (FSDP2's `fully_shard` keeps the module itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def attention_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype attention runs in: the autocast dtype inside `torch.autocast`, else the parameters' dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(model.parameters()).dtype
+
+
+def logits_to_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target at its temperature (with grad) and the entropy there (without).
+
+        logp = log_softmax(logits / T),   lp = logp[target],   entropy = -sum_v exp(logp_v) * logp_v
+    """
+    logp = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -torch.linalg.vecdot(logp.exp(), logp)
+    return lp, entropy
+
+
+def head_logprobs(
+    hf_model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits_to_logprobs` of the output layer (lm_head, then the final soft-cap of models that have one)."""
+    logits = hf_model.get_output_embeddings()(hidden)
+    cap = getattr(hf_model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits_to_logprobs(logits, targets, temperature)
+
+
+def final_hidden_states(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The decoder body's output (T, hidden) of one packed row, taken by a forward hook during the model's call.
+
+    The model is called as a whole, through any DDP/FSDP wrapper (so their forward hooks
+    unshard and track the parameters as usual), with `logits_to_keep` empty: its own
+    lm_head then runs on no position and no full-vocabulary tensor is made.
+    """
+    hf_model = unwrapped(model)
+    captured: list[torch.Tensor] = []
+
+    def keep_output(module, args, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    hook = hf_model.get_decoder().register_forward_hook(keep_output)
+    try:
+        extra = {}
+        if "logits_to_keep" in inspect.signature(hf_model.forward).parameters:
+            extra["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=ids.device)
+        model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False, **extra)
+    finally:
+        hook.remove()
+    return captured[-1][0]
+
+
+def token_logprobs(
+    model: torch.nn.Module, batch: MicroBatch, device: torch.device, chunk_size: int | str | None = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch.
+
+    Position t predicts token t+1; its logits are divided by `batch.temperature[t+1]`: the
+    sample's temperature on a sampled token, 1 on any other (prompt, observation). A
+    sample's first token gets 0.
+
+    The output layer and log-softmax run over `chunk_size` positions at a time (`"auto"`:
+    `chunk_positions(vocabulary)`) on the body's hidden states, each chunk recomputed in
+    backward instead of kept, so only one chunk's full-vocabulary tensors exist at a time.
+    `chunk_size=None` takes the model's full logits instead (the same numbers within float
+    rounding; for comparison only: it keeps (tokens x vocabulary) float32 tensors for backward).
     """
     ids = torch.from_numpy(batch.input_ids).to(device)
     positions = torch.from_numpy(batch.position_ids).to(device)
     segments = torch.from_numpy(batch.segment_ids).to(device)
     temperature = torch.from_numpy(batch.temperature).to(device)
-    dtype = next(model.parameters()).dtype
-    mask = block_causal_mask(segments, dtype)
-    logits = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits[0]
-    logp = torch.log_softmax(logits[:-1].float() / temperature[1:, None], dim=-1)
+    mask = block_causal_mask(segments, attention_dtype(model, device))
+    targets, target_temperature = ids[1:], temperature[1:]
+    if chunk_size is None:
+        logits = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
+        lp, entropy = logits_to_logprobs(logits[0, :-1], targets, target_temperature)
+    else:
+        hidden = final_hidden_states(model, ids, positions, mask)[:-1]
+        hf_model = unwrapped(model)
+        if chunk_size == "auto":
+            chunk_size = chunk_positions(hf_model.get_output_embeddings().weight.shape[0])
+        parts = []
+        # a 1-token row (a rank without work) has no target: one empty chunk keeps its backward in the graph
+        for start in range(0, max(len(targets), 1), chunk_size):
+            chunk = (hidden[start:start + chunk_size], targets[start:start + chunk_size],
+                     target_temperature[start:start + chunk_size])
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                parts.append(recompute_in_backward(
+                    head_logprobs, hf_model, *chunk, use_reentrant=False, preserve_rng_state=False))
+            else:
+                parts.append(head_logprobs(hf_model, *chunk))
+        lp, entropy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     first = positions == 0
-    zero = logp.new_zeros(1)
-    lp = torch.cat([zero, logp.gather(-1, ids[1:, None]).squeeze(-1)])
-    lp = torch.where(first, torch.zeros_like(lp), lp)
-    with torch.no_grad():
-        entropy = torch.cat([zero, -(logp.exp() * logp).sum(-1)])
-        entropy = torch.where(first, torch.zeros_like(entropy), entropy)
+    zero = lp.new_zeros(1)
+    lp = torch.where(first, 0.0, torch.cat([zero, lp]))
+    entropy = torch.where(first, 0.0, torch.cat([zero, entropy]))
     return lp, entropy
+
+
+def set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    """Make a saved config.json name the weights' dtype (`save_pretrained` writes the float32 module's)."""
+    with open(path) as f:
+        config = json.load(f)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in config:  # the key's name before transformers 5
+        config["torch_dtype"] = config["dtype"]
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is NaN or infinite: the step stops before the optimizer changes anything."""
+
+
+def check_finite(step: int, losses: list[float], grad_norm: float, rank: int) -> None:
+    """Raise naming the step and the first micro-batch (of this rank) whose loss is not finite, else a bad norm."""
+    for index, value in enumerate(losses):
+        if not math.isfinite(value):
+            raise NonFiniteError(
+                f"step {step}: the loss of micro-batch {index} (of {len(losses)} on rank {rank}) is {value}; "
+                "nothing was saved"
+            )
+    if not math.isfinite(grad_norm):
+        raise NonFiniteError(
+            f"step {step}: the gradient norm is {grad_norm} although the losses of all {len(losses)} micro-batches "
+            f"on rank {rank} are finite (a non-finite gradient in backward, or a loss on another rank); "
+            "nothing was saved"
+        )
 
 
 class Trainer:
@@ -88,10 +219,13 @@ class Trainer:
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = resolve_model_path(config.model.name)
+        path = resolve_model_path(config.model.name, config.model.revision)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # float32 master weights whatever model.dtype says: an AdamW update of lr ~1e-5 is below half a
+        # bfloat16 ulp of most weights and would round away; model.dtype is the compute and export dtype
+        self.dtype = getattr(torch, config.model.dtype)
         self.module = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, config.model.dtype), attn_implementation="sdpa"
+            path, dtype=torch.float32, attn_implementation="sdpa"
         ).to(self.device)
         self.module.config.use_cache = False
         self.module.train()
@@ -103,13 +237,12 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(t.warmup_steps))
         self.step: int | None = None
+        self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         if not self.distributed:
             return module
         if self.config.trainer.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             return DistributedDataParallel(module, device_ids=device_ids)
         from torch.distributed.fsdp import fully_shard
@@ -128,6 +261,14 @@ class Trainer:
             return contextlib.nullcontext() if enabled else self.model.no_sync()
         self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
+
+    def _autocast(self):
+        """Forward (and so backward) in `model.dtype` on float32 parameters; nothing to do in float32.
+
+        No gradient scaler for float16: gradients too small for float16 (below ~6e-8) flush
+        to zero. bfloat16 has float32's range and is the dtype to use where the GPU has it.
+        """
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -151,9 +292,11 @@ class Trainer:
 
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
         for i, batch in enumerate(mine):
             with self._gradient_sync(i == len(mine) - 1):
-                lp, entropy = token_logprobs(self.model, batch, self.device)
+                with self._autocast():
+                    lp, entropy = token_logprobs(self.model, batch, self.device, self.logprob_chunk)
                 on_device = {name: torch.from_numpy(getattr(batch, name)).to(self.device) for name in CHANNEL_FIELDS}
                 loss, metrics = compute_loss(
                     lp, on_device["inference_logprobs"],
@@ -162,6 +305,7 @@ class Trainer:
                 )
                 # DDP and FSDP average gradients over ranks; the scales already sum over ranks
                 (loss * self.world_size).backward()
+            losses.append(loss.detach())
             loss_mask = on_device["rl_mask"] | on_device["ce_mask"]
             metrics["entropy"] = (entropy * loss_mask).sum() / max(loss_tokens, 1.0)
             for name, value in metrics.items():
@@ -172,6 +316,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        check_finite(step, torch.stack(losses).tolist(), float(grad_norm), self.rank)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -230,14 +375,19 @@ class Trainer:
 
     # -- weights for the sampler ----------------------------------------------------------
     def export_weights(self, step: int) -> str:
-        """Write `weights/<step>/` in Hugging Face format (+ STABLE), loadable by transformers and vLLM as-is."""
+        """Write `weights/<step>/` in Hugging Face format (+ STABLE), loadable by transformers and vLLM as-is.
+
+        The float32 master weights are cast to `model.dtype`, which config.json's `dtype` names.
+        """
         state = get_model_state_dict(self.model, options=FULL_STATE)
         for alias in self._tied_aliases():
             state.pop(alias, None)
+        state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
         directory = self.storage.path(WEIGHTS, step_name(step))
         if self.rank == 0:
             with tempfile.TemporaryDirectory(prefix="trace-rl-weights-") as staging:
                 self.module.save_pretrained(staging, state_dict=state, safe_serialization=True)
+                set_config_dtype(os.path.join(staging, "config.json"), self.dtype)
                 self.tokenizer.save_pretrained(staging)
                 self.storage.upload_dir(staging, directory)
         if self.distributed:
