@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VLLM_OVERRIDES
-from trace_rl.config import load_config
+from trace_rl.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -60,7 +60,7 @@ def load_algorithm_loss(algorithm_id: str) -> str:
 def test_prefect_yaml_demo_deployment_is_the_demo_config():
     import yaml
 
-    from trace_rl.config import validate_config
+    from trace_rl.loading import validate_config
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     assert deployments["demo"]["entrypoint"] == "flows/train.py:train"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trace_rl.config import ConfigError, load_config
+from trace_rl.config import ConfigError
+from trace_rl.loading import load_config
 from trace_rl.hub import ModelNotFoundError, resolve_model_path
 from trace_rl.models import runtime_configs
 from trace_rl.realistic import VOCAB_SIZE

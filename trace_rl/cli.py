@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from trace_rl.config import Config, ConfigError, config_to_toml, load_config
+from trace_rl.config import Config, ConfigError, config_to_toml
+from trace_rl.loading import load_config
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

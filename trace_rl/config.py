@@ -1,13 +1,15 @@
-"""Run configuration: pydantic models loaded from TOML, with `--set key=value` overrides.
+"""Run configuration: the pydantic models of a run's TOML, with `--set key=value` overrides.
 
-Importing this module must stay cheap (no torch, no vllm): `trace-rl train --dry-run`
-validates a config with it alone.
+This module is the schema only and imports nothing of trace_rl but leaf modules; the checks
+against the env and algorithm registries and the disk live in `trace_rl.loading`, which is
+what loads a run's config. Importing either stays cheap (no torch, no vllm) for `--dry-run`.
 """
 
 from __future__ import annotations
 
 import difflib
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,10 +24,28 @@ from pydantic import (
     model_validator,
 )
 
-from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.names import POLICY
 from trace_rl.options import known_keys
 
-POLICY = "policy"
+
+class AlgorithmConfig(BaseModel):
+    """`id` plus the algorithm's own keys, flat: `{id = "echo", user = {alpha = 0.5}}`."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    id: str
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @classmethod
+    def parse(cls, spec: str | Mapping[str, Any] | AlgorithmConfig) -> AlgorithmConfig:
+        if isinstance(spec, AlgorithmConfig):
+            return spec
+        if isinstance(spec, str):
+            return cls(id=spec)
+        return cls(**spec)
+
 
 # An algorithm is written as its id ("grpo") or a table ({id = "echo", user = {alpha = 0.5}}).
 AlgorithmSpec = Annotated[
@@ -274,24 +294,19 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         node[last] = _parse_value(raw)
 
 
-def validate_config(data: dict[str, Any]) -> Config:
-    """Build a Config, collecting every problem (schema and algorithm options) into one ConfigError."""
+def parse_config(data: dict[str, Any]) -> Config:
+    """Build a Config from plain data, every schema problem collected into one ConfigError.
+
+    Only the schema: the checks that need the env and algorithm registries or the disk run where
+    a run is loaded (`trace_rl.loading`)."""
     try:
-        config = Config(**data)
+        return Config(**data)
     except ValidationError as exc:
         raise ConfigError([_describe(err, Config) for err in exc.errors()]) from None
-    from trace_rl.algorithms.check import check_algorithms
-    from trace_rl.envs.base import check_envs
-    from trace_rl.hub import check_models
-    from trace_rl.models import check_stop_tokens
-
-    problems = check_envs(config) + check_algorithms(config) + check_models(config) + check_stop_tokens(config)
-    if problems:
-        raise ConfigError(problems)
-    return config
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+def read_config_data(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
+    """A TOML config file as plain data, with `--set` overrides applied."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -300,11 +315,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
     for assignment in overrides:
         apply_override(data, assignment)
-    return validate_config(data)
+    return data
 
 
 def config_to_toml(config: Config) -> str:
-    """The resolved config as TOML (None values omitted), readable back by load_config."""
+    """The resolved config as TOML (None values omitted), readable back by `read_config_data`."""
     import tomli_w
 
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

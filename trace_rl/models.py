@@ -138,7 +138,7 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
     so a tiny reference differs from the tiny policy; the policy's name is kept verbatim,
     exactly as the trainer resolves it.
     """
-    from trace_rl.config import POLICY
+    from trace_rl.names import POLICY
 
     inference = config.inference
     engine = {

@@ -14,7 +14,8 @@ import numpy as np
 
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.channels import aggregate, channel_stats
-from trace_rl.config import Config, ConfigError, validate_config
+from trace_rl.config import Config, ConfigError
+from trace_rl.loading import validate_config
 from trace_rl.session import Session
 from trace_rl.step import AlgorithmJob, compute_channels
 from trace_rl.storage import RunStorage, step_name
@@ -90,7 +91,7 @@ def saved_steps(storage: RunStorage) -> list[int]:
 
 def batch_stats(samples: list[TrainingSample]) -> dict[str, float]:
     out: dict[str, float] = {"samples": float(len(samples))}
-    for loss in ("rl", "ce"):
+    for loss in LOSS_NAMES:
         values = np.concatenate([getattr(s, f"{loss}_values")[getattr(s, f"{loss}_mask")] for s in samples] or [[]])
         out[f"{loss}_tokens"] = float(values.size)
         out[f"{loss}_mean"] = float(values.mean()) if values.size else 0.0

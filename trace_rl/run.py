@@ -6,6 +6,7 @@ import logging
 from typing import Literal
 
 from trace_rl.config import Config, config_to_toml
+from trace_rl.loading import check_config
 from trace_rl.session import config_hash
 from trace_rl.storage import RunStorage, step_name
 
@@ -27,7 +28,11 @@ def first_unfinished_step(storage: RunStorage) -> int:
 
 
 def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
-    """Check and set up the run directory; return its storage and the first step to run (1-based)."""
+    """Check the config and set up the run directory; return its storage and the first step to run (1-based).
+
+    The config is checked here too (not only by the CLI): a run started from the Prefect UI gets
+    its config as a flow parameter, validated by the schema alone."""
+    check_config(config)
     storage = RunStorage(config.storage, config.name, config.storage_options)
     config_path = storage.path("config.toml")
     exists = storage.exists(storage.root) and bool(storage.fs.ls(storage.root, detail=False))

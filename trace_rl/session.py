@@ -13,7 +13,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from trace_rl.config import POLICY, Config
+from trace_rl.config import Config
+from trace_rl.names import POLICY
 from trace_rl.models import ModelRuntime, build_runtime, runtime_configs
 from trace_rl.storage import RunStorage
 

@@ -136,7 +136,7 @@ def aggregate_channels(session: Session, step: int, channel_paths: list[str]) ->
     return {
         "samples": len(samples),
         "tokens": int(sum(len(s) for s in samples)),
-        **{f"{loss}_tokens": int(sum(getattr(s, f"{loss}_mask").sum() for s in samples)) for loss in ("rl", "ce")},
+        **{f"{loss}_tokens": int(sum(getattr(s, f"{loss}_mask").sum() for s in samples)) for loss in LOSS_NAMES},
     }
 
 

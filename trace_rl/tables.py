@@ -16,10 +16,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trace_rl.algorithms.base import Channel
+from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage
 from trace_rl.trace import ANNOTATIONS, TOKEN_ARRAYS, Branch, Trace
 
-LOSS_NAMES = ("rl", "ce")
 
 MESSAGE_TYPE = pa.struct(
     [("role", pa.string()), ("content", pa.string()), ("name", pa.string()), ("tool_call_id", pa.string()),

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from trace_rl.algorithms.base import LOSSES, Channel
+from trace_rl.algorithms.base import Channel
+from trace_rl.names import LOSS_NAMES
 from trace_rl.trace import Branch, Trace
 
 
@@ -42,7 +43,7 @@ def validate_channels(traces: list[Trace], channels: list[Channel], *, source: s
         values, mask, tokens = channel.values, channel.mask, len(branch.token_ids)
         fits = (
             type(values) is np.ndarray and type(mask) is np.ndarray and values.shape == mask.shape == (tokens,)
-            and values.dtype.kind == "f" and mask.dtype == np.bool_ and channel.loss in LOSSES
+            and values.dtype.kind == "f" and mask.dtype == np.bool_ and channel.loss in LOSS_NAMES
         )
         if not fits:  # the slow path names what does not fit
             check_shape(channel, branch, fail)
@@ -71,8 +72,8 @@ def validate_channels(traces: list[Trace], channels: list[Channel], *, source: s
 
 
 def check_shape(channel: Channel, branch: Branch, fail) -> None:
-    if channel.loss not in LOSSES:
-        raise fail(channel, f"loss {channel.loss!r} is unknown to the trainer (known: {', '.join(LOSSES)})")
+    if channel.loss not in LOSS_NAMES:
+        raise fail(channel, f"loss {channel.loss!r} is unknown to the trainer (known: {', '.join(LOSS_NAMES)})")
     tokens = len(branch)
     for name, kind in (("values", "f"), ("mask", "b")):
         array = getattr(channel, name)

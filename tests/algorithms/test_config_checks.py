@@ -1,6 +1,7 @@
 import pytest
 
-from trace_rl.config import ConfigError, validate_config
+from trace_rl.config import ConfigError
+from trace_rl.loading import validate_config
 
 
 def config(algorithms, actor="policy", models=None):

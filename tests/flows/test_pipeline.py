@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.flows.conftest import small_config
-from trace_rl.config import validate_config
+from trace_rl.loading import validate_config
 from trace_rl.run import RunExistsError
 from trace_rl.storage import RunStorage
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
-from trace_rl.config import load_config
+from trace_rl.loading import load_config
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_engine import engine_arguments
 from trace_rl.models import RuntimeConfig, build_runtime

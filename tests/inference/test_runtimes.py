@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from trace_rl.config import validate_config
+from trace_rl.loading import validate_config
 from trace_rl.inference.hf import HFRuntime
 from trace_rl.models import RuntimeConfig, TokenlessRuntime, build_runtime, runtime_configs
 

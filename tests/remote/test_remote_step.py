@@ -10,7 +10,7 @@ from tests.conftest import free_port
 from tests.flows.conftest import prefect_api, small_config  # noqa: F401  (the session's Prefect server)
 from tests.flows.test_pipeline import step_runs
 from tests.remote.conftest import TOKEN_ENV, env_server
-from trace_rl.config import validate_config
+from trace_rl.loading import validate_config
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch, read_traces
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trace_rl.config import AlgorithmConfig
+from trace_rl.names import Loss
 from trace_rl.options import option_problems
 from trace_rl.trace import Trace
 
-Loss = Literal["rl", "ce"]
-LOSSES: tuple[str, ...] = ("rl", "ce")
 
 
 @dataclass(eq=False)
@@ -40,25 +40,6 @@ class Channel:
             f"Channel({self.algorithm_id!r}, {self.loss!r}, trace {self.trace_id!r} branch {self.branch_index}, "
             f"{int(np.count_nonzero(self.mask))}/{len(self.mask)} tokens masked)"
         )
-
-
-class AlgorithmConfig(BaseModel):
-    """`id` plus the algorithm's own keys, flat: `{id = "echo", user = {alpha = 0.5}}`."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-    id: str
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
-
-    @classmethod
-    def parse(cls, spec: str | Mapping[str, Any] | AlgorithmConfig) -> AlgorithmConfig:
-        if isinstance(spec, AlgorithmConfig):
-            return spec
-        if isinstance(spec, str):
-            return cls(id=spec)
-        return cls(**spec)
 
 
 class NoOptions(BaseModel):

@@ -1,9 +1,10 @@
-"""Config-time checks of every env's algorithm list (run by `validate_config`)."""
+"""Config-time checks of every env's algorithm list (run by `trace_rl.loading.check_config`)."""
 
 from __future__ import annotations
 
 from trace_rl.algorithms.base import REGISTRY, AlgorithmError, resolve_algorithm_class, validate_options
-from trace_rl.config import POLICY, Config
+from trace_rl.config import Config
+from trace_rl.names import POLICY
 
 
 def check_algorithms(config: Config) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError, register
-from trace_rl.config import POLICY
+from trace_rl.names import POLICY
 from trace_rl.algorithms.gather import gather_or_cancel
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
 from trace_rl.trace import Branch, Trace

@@ -169,7 +169,7 @@ def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
 
 
 def check_envs(config) -> list[str]:
-    """Config-time check of every `[[env]]` (run by `validate_config`): a known id and valid `args`."""
+    """Config-time check of every `[[env]]` (run by `trace_rl.loading.check_config`): a known id and valid `args`."""
     problems = []
     for index, env in enumerate(config.env):
         try:

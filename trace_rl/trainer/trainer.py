@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from trace_rl.config import Config
 from trace_rl.storage import RunStorage, step_name
-from trace_rl.tables import LOSS_NAMES, TrainingSample
+from trace_rl.names import LOSS_NAMES
+from trace_rl.tables import TrainingSample
 from trace_rl.hub import resolve_model_path
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
