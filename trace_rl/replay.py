@@ -16,6 +16,7 @@ from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config, ConfigError
 from trace_rl.loading import validate_config
+from trace_rl.names import LOSS_NAMES
 from trace_rl.session import Session
 from trace_rl.step import AlgorithmJob, compute_channels
 from trace_rl.storage import RunStorage, step_name

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
+from trace_rl.names import LOSS_NAMES
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
 from trace_rl.session import Session
 from trace_rl.storage import step_name
