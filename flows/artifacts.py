@@ -26,6 +26,12 @@ def reward_mean(metrics: dict) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def aligned(rows: list[tuple[str, str]]) -> str:
+    """`label: value` lines with the values in one column (for the terminal)."""
+    width = max(len(label) for label, _ in rows) + 1
+    return "\n".join(f"{label + ':':<{width}} {value}" for label, value in rows)
+
+
 def history(config: Config, upto: int) -> list[dict]:
     """The metrics of steps 1..upto that exist (what a resumed run shows as its past)."""
     storage = RunStorage(config.storage, config.name, config.storage_options)

@@ -3,28 +3,27 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from flows.artifacts import aligned, reward_mean
 from tasks.replay_step import replay_step
 from tasks.train_replayed import train_replayed
 from trace_rl import replay as lib
 from trace_rl.algorithms.base import AlgorithmConfig
-from trace_rl.storage import RunStorage
+from trace_rl.storage import RunStorage, step_name
 
 
 @flow(name="replay", log_prints=True)
 def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None, train: bool = False,
            from_step: int | None = None, model: str | None = None, storage_options: dict | None = None,
            overwrite: bool = False) -> list[dict]:
-    source = lib.source_config(run, storage_options)
-    config = lib.replay_config(source, algorithms)
-    out_storage = RunStorage.from_url(out, storage_options)
-    source_storage = RunStorage.from_url(run, storage_options)
-    if out_storage.url == source_storage.url:
-        raise ValueError(f"--out {out} is the source run itself; replay never writes over the original run")
-    lib.prepare_out(out_storage, overwrite)
-    chosen = lib.parse_steps(steps, lib.saved_steps(source_storage))
+    plan = lib.check_replay(run, algorithms, out, steps, overwrite, storage_options)
+    config, out_storage, chosen = plan.config, plan.out, plan.steps
+    lib.prepare_out(out_storage)
     from trace_rl.session import session_for
     from trace_rl.step import algorithm_jobs
 
@@ -35,31 +34,67 @@ def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | N
         states = result.pop("states")
         summaries.append(result)
     out_storage.write_json(out_storage.path("replay.json"), {
-        "source": source_storage.url, "algorithms": [a.model_dump() for a in algorithms], "steps": chosen})
-    Console(stderr=True).print(comparison_table(summaries))
+        "source": plan.source_storage.url, "algorithms": [a.model_dump() for a in algorithms], "steps": chosen})
+    console = Console(stderr=True)
+    ids = [a.id for a in algorithms]
+    console.print(comparison_table(summaries, ids))
+    for algorithm in idle_algorithms(summaries, ids):
+        console.print(f"{algorithm} contributed no tokens in any replayed step: its mask selected nothing in these "
+                      "traces", highlight=False, soft_wrap=True)
+    rows = [("replayed batches", out_storage.url)]
     if train and chosen:
-        start = model or source.model.name
+        start = model or plan.source.model.name
         if from_step is not None:
             from trace_rl.inference.broadcast import stage_weights
 
-            start = stage_weights(source_storage, from_step)
-        train_replayed(config=lib.train_config(config, out_storage, start), steps=chosen)
+            start = stage_weights(plan.source_storage, from_step)
+        trained = train_replayed(config=lib.train_config(config, out_storage, start), steps=chosen)
+        console.print(training_table(trained, source_rewards(plan.source_storage, chosen)))
+        rows.append((f"weights of step {chosen[-1]}", out_storage.url_of("weights", step_name(chosen[-1]))))
+    rows.append(("this replay in the UI", url_for("flow-run", obj_id=flow_run.get_id())))
+    console.print(aligned(rows), highlight=False, soft_wrap=True)
     return summaries
 
 
-def comparison_table(summaries: list[dict]) -> Table:
-    table = Table(title="replayed batches vs the original run")
-    for column in ("step", "rl tokens (orig → new)", "rl mean (orig → new)", "ce tokens (orig → new)",
-                   "ce mean (orig → new)", "per-algorithm channels"):
-        table.add_column(column)
+def comparison_table(summaries: list[dict], algorithms: list[str]) -> Table:
+    """Per step, the original batch above the replayed one, and the tokens each algorithm masked."""
+    table = Table(title="replayed batches vs the original run", box=box.SIMPLE_HEAD)
+    for column in ("step", "batch", "rl tokens", "rl mean", "ce tokens", "ce mean", "tokens by algorithm"):
+        table.add_column(column, justify="left" if column in ("batch", "tokens by algorithm") else "right")
     for s in summaries:
-        o, n = s["original"], s["replayed"]
+        by_algorithm = "\n".join(f"{a} {tokens(s, a) or 'none'}" for a in algorithms)
+        table.add_row(str(s["step"]), "original", *batch_cells(s["original"]), "")
+        table.add_row("", "replayed", *batch_cells(s["replayed"]), by_algorithm, end_section=True)
+    return table
 
-        def pair(key: str, fmt: str) -> str:
-            return f"{format(o[key], fmt) if key in o else '—'} → {format(n[key], fmt)}"
 
-        channels = "; ".join(
-            f"{key.split('/')[1]}: {int(value)} tok" for key, value in s["channels"].items() if key.endswith("/tokens"))
-        table.add_row(str(s["step"]), pair("rl_tokens", ".0f"), pair("rl_mean", "+.4f"), pair("ce_tokens", ".0f"),
-                      pair("ce_mean", "+.4f"), channels)
+def batch_cells(stats: dict) -> list[str]:
+    if not stats:  # the source run kept no batch for this step
+        return ["—"] * 4
+    return [f"{stats['rl_tokens']:.0f}", f"{stats['rl_mean']:+.4f}", f"{stats['ce_tokens']:.0f}",
+            f"{stats['ce_mean']:+.4f}"]
+
+
+def tokens(summary: dict, algorithm: str) -> int:
+    return int(summary["channels"].get(f"channel/{algorithm}/tokens", 0))
+
+
+def idle_algorithms(summaries: list[dict], algorithms: list[str]) -> list[str]:
+    return [a for a in algorithms if summaries and not any(tokens(s, a) for s in summaries)]
+
+
+def source_rewards(source: RunStorage, steps: list[int]) -> dict[int, float]:
+    """The mean reward of each replayed step's traces, from the source run's metrics."""
+    paths = {step: source.step_path(step, "metrics.json") for step in steps}
+    return {step: reward_mean(source.read_json(path)) for step, path in paths.items() if source.exists(path)}
+
+
+def training_table(trained: list[dict], rewards: dict[int, float]) -> Table:
+    table = Table(title="training on the replayed batches", box=box.SIMPLE_HEAD)
+    for column in ("step", "loss rl", "loss ce", "grad norm", "reward of the traces"):
+        table.add_column(column, justify="right")
+    for row in trained:
+        reward = rewards.get(row["step"])
+        table.add_row(str(row["step"]), f"{row.get('loss/rl', 0.0):+.4f}", f"{row.get('loss/ce', 0.0):+.4f}",
+                      f"{row.get('grad_norm', 0.0):.4f}", "—" if reward is None else f"{reward:.3f}")
     return table

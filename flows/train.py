@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import time
 from typing import Literal
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from flows.artifacts import history, publish, reward_mean, start_progress, update_progress
+from flows.artifacts import aligned, history, publish, reward_mean, start_progress, update_progress
+from flows.liveness import crash_gone_runs, label_this_flow_run
 from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.run import prepare_run
+from trace_rl.storage import RunStorage, step_name
 
 PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes up every step
 
@@ -26,15 +30,22 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     A retry of this flow run (the UI's Retry, `prefect flow-run retry`) resumes, whatever `mode` was.
     """
     logger = get_run_logger()
+    console = Console(stderr=True)
     retrying = (flow_run.get_run_count() or 1) > 1
-    _, first = prepare_run(config, "resume" if retrying else mode)
+    storage, first = prepare_run(config, "resume" if retrying else mode)
+    label_this_flow_run(storage.url)
+    this_run = url_for("flow-run", obj_id=flow_run.get_id())
+    took_over = f"taken over by flow run {flow_run.get_id()} ({'resume' if retrying else mode}): {this_run}"
+    for gone in crash_gone_runs(storage.url, took_over, keep=UUID(flow_run.get_id())):
+        say(logger, console, f"marked the earlier flow run {gone.id} of {config.name} Crashed: its process is gone")
     if first > 1:
-        logger.info("continuing %s at step %d of %d", config.name, first, config.steps)
+        say(logger, console, f"continuing {config.name} at step {first} of {config.steps}")
     rows = history(config, first - 1)
     progress = start_progress(config, first - 1)
-    console = Console(stderr=True)
     done: list[tuple] = []
-    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console) as bar:
+    # on a terminal one live line (rich); in a log file a plain line per step
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task(config.name, total=config.steps, completed=first - 1, last="")
         for step in range(first, config.steps + 1):
             started = time.perf_counter()
@@ -45,13 +56,37 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
                          ", ".join(result["reused"])))
             publish(config, rows, plot=step % PLOT_EVERY == 0 or step == config.steps)
             update_progress(progress, config, step)
-            bar.update(task, advance=1, last=f"step {step}: reward {done[-1][1]:.3f}")
+            line = step_line(config, *done[-1])
+            bar.update(task, advance=1, last=line)
+            if not console.is_terminal:
+                console.print(line, highlight=False, soft_wrap=True)
     console.print(reward_table(config, done))
     if len(rows) >= 10:
         first, last = (sum(reward_mean(r) for r in part) / 5 for part in (rows[:5], rows[-5:]))
         console.print(f"mean reward of the first 5 steps {first:.3f}, of the last 5 steps {last:.3f} "
                       f"({last - first:+.3f})")
+    console.print(where_things_are(storage, config.steps, this_run), highlight=False, soft_wrap=True)
     return [{"step": d[0], "reward_mean": d[1]} for d in done]
+
+
+def say(logger, console: Console, message: str) -> None:
+    """To the flow run's log (the UI) and to the terminal (which shows only Prefect's warnings by default)."""
+    logger.info(message)
+    console.print(message, highlight=False, soft_wrap=True)
+
+
+def step_line(config: Config, step: int, reward: float, entropy: float, seconds: float, reused: str) -> str:
+    line = f"step {step}/{config.steps}: reward {reward:.3f}, entropy {entropy:.3f}, {seconds:.1f} s"
+    return f"{line} (reused {reused})" if reused else line
+
+
+def where_things_are(storage: RunStorage, last_step: int, flow_run_url: str) -> str:
+    """Where the run's files, its last weights and its flow run are, one per line."""
+    weights = storage.url_of("weights", step_name(last_step))
+    if not storage.is_stable(storage.path("weights", step_name(last_step))):
+        weights += " (not written yet)"
+    return aligned([("run directory", storage.url), (f"weights of step {last_step}", weights),
+                    ("this run in the UI", flow_run_url)])
 
 
 def reward_table(config: Config, rows: list[tuple]) -> Table:

@@ -14,6 +14,7 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
+from trace_rl import credentials
 from trace_rl.config import Config
 from trace_rl.session import config_hash
 from trace_rl.storage import RunStorage, step_name
@@ -34,7 +35,7 @@ def run_filesystem(config: Config, folder: str):
     url = storage.url_of("prefect", folder)
     if storage.protocol in ("file", "local"):
         return LocalFileSystem(basepath=url)
-    return RemoteFileSystem(basepath=url, settings=config.storage_options)
+    return RemoteFileSystem(basepath=url, settings=credentials.resolve(config.storage_options))
 
 
 _SAVED_BLOCKS: dict[str, Any] = {}
@@ -49,7 +50,15 @@ def saved_result_storage(config: Config):
     block = run_filesystem(config, "results")
     name = "trace-rl-" + hashlib.sha256(block.basepath.encode()).hexdigest()[:16]
     if name not in _SAVED_BLOCKS:
-        block.save(name, overwrite=True)
+        if isinstance(block, RemoteFileSystem):
+            # the block document on the server holds no credentials (references such as env:NAME stay as
+            # written); this process's instance gets the real ones back once it is saved
+            real = block.settings
+            block.settings = credentials.public(config.storage_options)
+            block.save(name, overwrite=True)
+            block.settings = real
+        else:
+            block.save(name, overwrite=True)
         _SAVED_BLOCKS[name] = block
     return _SAVED_BLOCKS[name]
 

@@ -90,6 +90,17 @@ def vllm_runtime(tiny_model_path):
     shutdown_engines()
 
 
+@pytest.fixture
+def shared_vllm(vllm_runtime, tiny_model_path):
+    """The session's engine for a test that trains through it (a run broadcasts its weights into it): the
+    tiny model's own weights are loaded back afterwards, as the tests that sample it directly expect."""
+    import asyncio
+
+    yield vllm_runtime
+    asyncio.run(vllm_runtime.load_weights(tiny_model_path, 0))
+    vllm_runtime.policy_version = 0
+
+
 @pytest.fixture(scope="session")
 def realistic_model():
     """The realistic fixture model (`trace_rl.realistic`), built once into a Hugging Face hub cache under the

@@ -29,7 +29,7 @@ def test_the_demo_is_grpo_on_reverse_text():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, vllm_runtime):
+def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, shared_vllm):
     """Two small steps of each config on the session's vLLM engine: sampling, algorithms, batch, train, broadcast."""
     from trace_rl.session import Session
     from trace_rl.step import run_step

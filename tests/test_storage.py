@@ -152,3 +152,59 @@ def test_tables_are_readable_by_common_tools(tmp_path):
     batch = write_batch(storage, 0, sample_batch())
     assert pq.read_table(batch).column("input_ids").type.value_type.bit_width == 32
     assert pd.read_parquet(batch)["rl_mask"].map(len).tolist() == [4, 9]
+
+
+def test_a_missing_or_mistyped_column_names_the_file_and_the_column(tmp_path):
+    import pyarrow as pa
+
+    from trace_rl.algorithms.base import Channel
+    from trace_rl.tables import TableError, channels_to_table, read_channels, samples_to_table, traces_to_table
+
+    storage = RunStorage(str(tmp_path), "run")
+    write_traces(storage, 1, sample_traces())
+    traces_path = storage.step_path(1, "traces.parquet")
+    pq.write_table(traces_to_table(sample_traces()).drop_columns(["group_id"]), traces_path)
+    with pytest.raises(TableError, match=f"{traces_path}: column 'group_id' \\(string\\) is missing"):
+        read_traces(storage, 1)
+    table = traces_to_table(sample_traces())
+    as_text = table.set_column(table.column_names.index("reward"), "reward", table.column("reward").cast(pa.string()))
+    pq.write_table(as_text, traces_path)
+    with pytest.raises(TableError, match=f"{traces_path}: column 'reward' has type string, expected double"):
+        read_traces(storage, 1)
+
+    write_batch(storage, 1, sample_batch())
+    batch_path = storage.step_path(1, "batch.parquet")
+    pq.write_table(samples_to_table(sample_batch()).drop_columns(["rl_mask"]), batch_path)
+    with pytest.raises(TableError, match=f"{batch_path}: column 'rl_mask' \\(list<bool>\\) is missing"):
+        read_batch(storage, 1)
+    table = samples_to_table(sample_batch())
+    ints = table.set_column(table.column_names.index("rl_values"), "rl_values",
+                            pa.array([[0] * 4, [1] * 9], pa.list_(pa.int64())))
+    pq.write_table(ints, batch_path)
+    with pytest.raises(TableError, match=f"{batch_path}: column 'rl_values' has type list<int64>, "
+                                         "expected list<float>"):
+        read_batch(storage, 1)
+
+    channels_path = storage.path("steps", "000001", "channels", "00-grpo.parquet")
+    channel = Channel("grpo", "rl", "t0", 0, np.zeros(5, np.float32), np.zeros(5, bool))
+    storage.fs.makedirs(storage.path("steps", "000001", "channels"), exist_ok=True)
+    pq.write_table(channels_to_table([channel]).drop_columns(["loss"]), channels_path)
+    with pytest.raises(TableError, match=f"{channels_path}: column 'loss' \\(string\\) is missing"):
+        read_channels(storage, channels_path)
+
+
+def test_large_string_and_list_columns_read_like_the_plain_ones(tmp_path):
+    """What pandas or polars may write (large_string, large_list) reads as the schema's types."""
+    import pyarrow as pa
+
+    from trace_rl.tables import traces_to_table
+
+    storage = RunStorage(str(tmp_path), "run")
+    table = traces_to_table(sample_traces())
+    large = pa.schema([f.with_type(pa.large_string()) if f.type == pa.string() else
+                       f.with_type(pa.large_list(f.type.value_type)) if f.name in ("token_ids", "sampled") else f
+                       for f in table.schema])
+    storage.fs.makedirs(storage.path("steps", "000002"), exist_ok=True)
+    pq.write_table(table.cast(large), storage.step_path(2, "traces.parquet"))
+    back = read_traces(storage, 2)
+    assert all(a.equals(b) for a, b in zip(sample_traces(), back, strict=True))

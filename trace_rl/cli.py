@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from trace_rl import quiet, reaper
 from trace_rl.config import Config, ConfigError, config_to_toml
+from trace_rl.errors import RefusedError
+from trace_rl.inference.vllm_logging import quiet_imports
 from trace_rl.loading import load_config
+
+# vLLM's spawned processes (EngineCore and its worker) run this main module first, so this drops the
+# known-harmless warning vLLM logs on import there too (unless TRACE_RL_VERBOSE is set)
+quiet_imports()
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +30,26 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every log line (Prefect's INFO lines, all of vLLM's output) instead of progress")
+
+
 def _load(args) -> Config:
     return load_config(args.config, args.overrides)
+
+
+def _prefect(configured: str | None = None) -> str:
+    """Point this process at the Prefect server (starting the embedded one if none is set) and make sure it
+    marks our flow runs Crashed when their heartbeats stop (flows/liveness.py)."""
+    from trace_rl.prefect_server import ensure_api_url
+
+    api_url = ensure_api_url(configured)
+    print(f"Prefect API: {api_url} (UI: {api_url.removesuffix('/api')})", file=sys.stderr)
+    from flows.liveness import ensure_zombie_automation
+
+    ensure_zombie_automation()
+    return api_url
 
 
 def cmd_train(args) -> int:
@@ -34,36 +60,48 @@ def cmd_train(args) -> int:
 
         Console().print(Syntax(config_to_toml(config), "toml", theme="ansi_dark", background_color="default"))
         return 0
-    from trace_rl.prefect_server import ensure_api_url
+    from trace_rl.run import check_run
 
-    api_url = ensure_api_url(config.prefect.api_url)
-    print(f"Prefect API: {api_url} (UI: {api_url.removesuffix('/api')})", file=sys.stderr)
+    storage = check_run(config, "resume" if args.resume else "overwrite" if args.overwrite else "new")
+    _prefect(config.prefect.api_url)
+    from flows.liveness import refuse_if_running
+
+    refuse_if_running(storage.url)
+    reaper.start()
+    quiet.progress_bars()
     from flows.train import run_training
 
-    run_training(config, resume=args.resume, overwrite=args.overwrite)
+    try:
+        run_training(config, resume=args.resume, overwrite=args.overwrite)
+    finally:
+        quiet.stop_engines()
     return 0
 
 
 def cmd_replay(args) -> int:
-    from trace_rl.prefect_server import ensure_api_url
-    from trace_rl.replay import parse_algorithms
+    from trace_rl.replay import check_replay, parse_algorithms
 
     algorithms = parse_algorithms(args.algorithms)
-    ensure_api_url()
+    check_replay(args.run, algorithms, args.out, args.steps, args.overwrite)
+    _prefect()
+    reaper.start()
+    quiet.progress_bars()
     from flows.replay import replay
 
-    replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
-           from_step=args.from_step, model=args.model, overwrite=args.overwrite)
+    try:
+        replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
+               from_step=args.from_step, model=args.model, overwrite=args.overwrite)
+    finally:
+        quiet.stop_engines()
     return 0
 
 
 def cmd_serve(args) -> int:
     config = _load(args)
-    from trace_rl.prefect_server import ensure_api_url
-
-    api_url = ensure_api_url(config.prefect.api_url)
+    api_url = _prefect(config.prefect.api_url)
     print(f"serving deployments of {config.name!r}; start runs from the UI: {api_url.removesuffix('/api')}",
           file=sys.stderr)
+    reaper.start()
     from flows.serve import serve_config
 
     serve_config(config, cron=args.cron)
@@ -76,6 +114,12 @@ def cmd_server(args) -> int:
     if args.action == "start":
         record = prefect_server.start()
         print(f"Prefect server running (pid {record['pid']}): UI {record['ui_url']}  API {record['api_url']}")
+        os.environ["PREFECT_API_URL"] = record["api_url"]  # this command is about the embedded server
+        from flows.liveness import crash_gone_runs, ensure_zombie_automation
+
+        ensure_zombie_automation()
+        for run in crash_gone_runs(None, "found by `trace-rl server start`"):
+            print(f"marked the flow run {run.name} ({run.id}) Crashed: the process that ran it is gone")
     elif args.action == "stop":
         print("stopped" if prefect_server.stop() else "no embedded server was running")
     else:
@@ -113,11 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode = train.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue an existing run from its latest checkpoint")
     mode.add_argument("--overwrite", action="store_true", help="wipe an existing run directory first")
+    _add_verbose(train)
     train.set_defaults(func=cmd_train)
 
     serve = sub.add_parser("serve", help="serve the train and replay flows as deployments (runs start from the UI)")
     _add_config_args(serve)
     serve.add_argument("--cron", help='a schedule for the training deployment, e.g. "0 * * * *"')
+    _add_verbose(serve)
     serve.set_defaults(func=cmd_serve)
 
     replay = sub.add_parser("replay", help="run saved traces through new algorithms into new batches, offline")
@@ -130,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     start = replay.add_mutually_exclusive_group()
     start.add_argument("--from-step", type=int, help="with --train: start from the run's weights of this step")
     start.add_argument("--model", help="with --train: start from this model (default: the run's base model)")
+    _add_verbose(replay)
     replay.set_defaults(func=cmd_replay)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
@@ -154,9 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "verbose"):
+        quiet.by_default(args.verbose)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, RefusedError) as exc:  # checked before any flow run starts: the message is the news
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from trace_rl.credentials import StorageOptions
 from trace_rl.names import POLICY
 from trace_rl.options import known_keys
 
@@ -125,6 +126,9 @@ class EnvConfig(Strict):
     args: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
     server: str | None = Field(None, description="URL of a remote env server for env-owned algorithms")
     sampling: SamplingConfig | None = Field(None, description="replaces [sampling] for this env")
+    max_error_fraction: float = Field(
+        0.5, ge=0, le=1, description="the step fails, showing the first errors, when more than this fraction of "
+        "the env's rollouts fail (the env raised, or retries ran out); 1: never")
 
 
 class LossConfig(Strict):
@@ -184,7 +188,10 @@ class Config(Strict):
     steps: int = Field(10, gt=0, description="training steps, numbered from 1")
     seed: int = Field(0, description="seeds sampling, data and the trainer: same config + seed, same weights")
     storage: str = Field("runs", description="fsspec URL or local path")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, e.g. S3 endpoint")
+    storage_options: StorageOptions = Field(
+        default_factory=dict, description="fsspec options, e.g. S3 endpoint; credential values (key, secret, token, "
+        "password, ...) stay out of config.toml, flow parameters and the config hash; 'env:VARIABLE' or "
+        "'prefect-secret:BLOCK' reads one when the run opens its storage (docs/storage.md)")
     actor: str = Field(POLICY, description="which model samples rollouts: 'policy' or a [models.<key>] with tokens")
     algorithms: list[AlgorithmSpec] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=
                                               "default for every env: ids or {id = ..., <options>} tables")
@@ -197,6 +204,15 @@ class Config(Strict):
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="[ckpt]")
     prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="[prefect]")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="[remote]")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_below_storage(cls, name: str) -> str:
+        """`<storage>/<name>` is wiped by --overwrite: it must be a directory strictly below `storage`."""
+        if any(part in ("", ".", "..") for part in name.replace("\\", "/").split("/")):
+            raise ValueError(f"{name!r} must name a directory below `storage`: no '.' or '..' parts, no leading, "
+                             "trailing or doubled '/'; e.g. name = 'my-run' or 'sweep/lr-1e-5'")
+        return name
 
     @field_validator("models")
     @classmethod

@@ -17,3 +17,8 @@ class FatalError(RuntimeError):
 
 class EngineDeadError(FatalError):
     """An in-process vLLM engine died or stopped answering; the message names the engine and its error."""
+
+
+class RefusedError(ValueError):
+    """A command that must not start as asked: what is in the way and the flag or step that resolves it
+    (`--resume`, `--overwrite`, another `--out`). The CLI prints the message alone and exits with 2."""

@@ -8,6 +8,7 @@ replayed batches there (checkpoints and weights under `--out` too).
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,11 +16,12 @@ import numpy as np
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config, ConfigError
+from trace_rl.errors import RefusedError
 from trace_rl.loading import validate_config
 from trace_rl.names import LOSS_NAMES
 from trace_rl.session import Session
 from trace_rl.step import AlgorithmJob, compute_channels
-from trace_rl.storage import RunStorage, step_name
+from trace_rl.storage import RunStorage, check_wipe, overlap, step_name
 from trace_rl.tables import TrainingSample, read_batch, read_traces, write_batch, write_channels
 from trace_rl.validate import validate_channels
 
@@ -35,11 +37,42 @@ def parse_algorithms(text: str) -> list[AlgorithmConfig]:
     return [AlgorithmConfig.parse(v) for v in value]
 
 
-def prepare_out(out: RunStorage, overwrite: bool) -> None:
-    """Refuse a non-empty `--out` (its batches and checkpoints would mix with the new ones) unless overwriting."""
-    if out.exists(out.root) and out.fs.ls(out.root, detail=False):
-        if not overwrite:
-            raise ConfigError([f"--out {out.url} is not empty; choose a new directory or pass --overwrite to wipe it"])
+@dataclass
+class ReplayPlan:
+    source: Config  # the source run's config
+    config: Config  # the source config with the replayed algorithms
+    source_storage: RunStorage
+    out: RunStorage
+    steps: list[int]
+
+
+def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
+                 overwrite: bool = False, storage_options: dict[str, Any] | None = None) -> ReplayPlan:
+    """Everything a replay needs, checked before it writes anything: the source run and its saved steps,
+    the algorithms (ConfigError), and an `--out` that neither is, holds nor lies inside the source run and,
+    without `--overwrite`, is empty (RefusedError: its batches and checkpoints would mix with the new ones);
+    with `--overwrite`, one that `check_wipe` lets be wiped."""
+    source = source_config(run, storage_options)
+    config = replay_config(source, algorithms)
+    source_storage = RunStorage.from_url(run, storage_options)
+    out_storage = RunStorage.from_url(out, storage_options)
+    relation = overlap(out_storage, source_storage)
+    if relation is not None:
+        itself = " itself" if relation == "is" else ""
+        raise RefusedError(f"--out {out_storage.url} {relation} the source run {source_storage.url}{itself}; replay "
+                           "never writes over the original run: choose an --out outside it")
+    if not overwrite and out_storage.exists(out_storage.root) and out_storage.fs.ls(out_storage.root, detail=False):
+        raise RefusedError(f"--out {out_storage.url} is not empty; choose a new directory or pass --overwrite "
+                           "to wipe it")
+    if overwrite:
+        check_wipe(out_storage, "--overwrite")
+    chosen = parse_steps(steps, saved_steps(source_storage))
+    return ReplayPlan(source, config, source_storage, out_storage, chosen)
+
+
+def prepare_out(out: RunStorage) -> None:
+    """Wipe `--out` (checked by `check_replay`; only `--overwrite` lets a non-empty one through)."""
+    if out.exists(out.root):
         out.remove(out.root)
 
 
@@ -76,6 +109,7 @@ def source_config(run_url: str, storage_options: dict[str, Any] | None = None) -
 def replay_config(config: Config, algorithms: list[AlgorithmConfig]) -> Config:
     """The source config with `algorithms` as the list of every env."""
     data = config.model_dump(mode="json")
+    data["storage_options"] = config.storage_options  # the JSON form leaves credentials out
     data["algorithms"] = [a.model_dump() for a in algorithms]
     for env in data["env"]:
         env["algorithms"] = None

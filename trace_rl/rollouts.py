@@ -5,8 +5,12 @@ step samples the same traces whenever it runs with the same weights. A retryable
 (`RetryableError`, `TimeoutError`, a transient HTTP failure) reruns the rollout after an
 exponential backoff, up to `inference.max_retries` times; any other error, or retries run
 out, gives one trace marked with `error` (kept in traces.parquet, never trained). Groups whose
-rollouts all failed are listed in the summary and logged. A `FatalError` (the sampler's engine
-died) fails the whole stage at once.
+rollouts all failed are listed in the summary and logged; when more than `[[env]]
+max_error_fraction` of an env's rollouts failed, the stage fails with `RolloutError` showing the
+first errors. A `FatalError` (the sampler's engine died) fails the whole stage at once.
+
+Every trace id is unique: an env that returns two traces of one agent in a rollout, or the same
+example id twice in a step, raises `TraceError` instead of having their traces merged.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from trace_rl.config import Config
 from trace_rl.envs.base import Environment, Example, Sampler, derive_seed, load_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models import ModelRuntime
-from trace_rl.trace import Trace, group_traces
+from trace_rl.trace import Trace, TraceError, group_traces
 
 logger = logging.getLogger(__name__)
 MAX_LISTED_ERRORS = 20
+MAX_SHOWN_ERRORS = 3  # in a RolloutError's message
+
+
+class RolloutError(RuntimeError):
+    """Too many of an env's rollouts failed (`[[env]] max_error_fraction`); the message shows the first errors."""
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -41,6 +50,8 @@ def is_retryable(exc: BaseException) -> bool:
 class EnvSummary(BaseModel):
     traces: int = 0
     errors: int = 0
+    rollouts: int = 0
+    error_fraction: float = 0.0  # of the rollouts: those with an error trace
     reward_mean: float = 0.0
     reward_std: float = 0.0
     failed_groups: list[str] = []
@@ -56,7 +67,7 @@ class RolloutSummary(BaseModel):
         out: dict[str, float] = {"rollouts/retries": float(self.retries)}
         for env, summary in self.envs.items():
             out.update({f"rollouts/{env}/{name}": float(getattr(summary, name))
-                        for name in ("traces", "errors", "reward_mean", "reward_std")})
+                        for name in ("traces", "errors", "error_fraction", "reward_mean", "reward_std")})
             out[f"rollouts/{env}/failed_groups"] = float(len(summary.failed_groups))
         return out
 
@@ -108,12 +119,24 @@ async def sample_rollouts(
             trace.group_id = group_id
             trace.id = f"{group_id}-r{rollout}-{trace.agent}"
             trace.policy_version = policy_version
+        ids = [trace.id for trace in traces]
+        if len(set(ids)) < len(ids):
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            raise TraceError(
+                f"env {names[env_index]!r} returned several traces of one agent in one rollout (trace ids "
+                f"{', '.join(map(repr, twice))}); give each agent of a rollout its own `agent` name"
+            )
         return env_index, traces, retries
 
     jobs = []
     for env_index, env_config in enumerate(config.env):
         env = load_env(env_config.id, env_config.args)
         examples = env.examples(derive_seed(config.seed, step, env_index), env_config.batch_size)
+        example_ids = [example.id for example in examples]
+        if len(set(example_ids)) < len(example_ids):
+            twice = sorted({i for i in example_ids if example_ids.count(i) > 1})
+            raise TraceError(f"env {names[env_index]!r} returned the example ids {', '.join(map(repr, twice))} more "
+                             "than once in one step; their groups would merge: give each example its own id")
         for example_index, example in enumerate(examples):
             for rollout in range(env_config.group_size):
                 jobs.append(one(env, env_index, example_index, example, rollout))
@@ -122,11 +145,29 @@ async def sample_rollouts(
     traces = [trace for _, env_traces, _ in results for trace in env_traces]
     summary = RolloutSummary(retries=sum(retries for *_, retries in results))
     for env_index, name in enumerate(names):
-        summary.envs[name] = summarize([t for i, ts, _ in results if i == env_index for t in ts])
+        rollouts = [env_traces for i, env_traces, _ in results if i == env_index]
+        summary.envs[name] = summarize(rollouts)
         for group_id in summary.envs[name].failed_groups:
             logger.warning("step %d: every rollout of group %s failed", step, group_id)
+        check_error_fraction(config, env_index, name, step, summary.envs[name], rollouts)
     summary.errors = list(dict.fromkeys(t.error for t in traces if t.error))[:MAX_LISTED_ERRORS]
     return traces, summary
+
+
+def check_error_fraction(config: Config, env_index: int, name: str, step: int, summary: EnvSummary,
+                         rollouts: list[list[Trace]]) -> None:
+    limit = config.env[env_index].max_error_fraction
+    if summary.error_fraction <= limit:
+        return
+    errors = list(dict.fromkeys(t.error for traces in rollouts for t in traces if t.error))
+    shown = "\n".join(f"  - {error[:500]}" for error in errors[:MAX_SHOWN_ERRORS])
+    more = f"\n  ({len(errors) - MAX_SHOWN_ERRORS} more distinct errors)" if len(errors) > MAX_SHOWN_ERRORS else ""
+    failed = sum(any(t.error is not None for t in traces) for traces in rollouts)
+    raise RolloutError(
+        f"step {step}: env {name!r}: {failed} of {summary.rollouts} rollouts failed ({summary.error_fraction:.0%}, "
+        f"more than env.{env_index}.max_error_fraction = {limit:g}); first errors:\n{shown}{more}\n"
+        f"fix the env or the sampler, or raise env.{env_index}.max_error_fraction to train on the rest"
+    )
 
 
 def env_names(config: Config) -> list[str]:
@@ -135,11 +176,15 @@ def env_names(config: Config) -> list[str]:
     return [env_id if ids.count(env_id) == 1 else f"{env_id}#{i}" for i, env_id in enumerate(ids)]
 
 
-def summarize(traces: list[Trace]) -> EnvSummary:
+def summarize(rollouts: list[list[Trace]]) -> EnvSummary:
+    """One env's numbers from its rollouts' traces (a rollout failed when one of its traces has an error)."""
+    traces = [trace for rollout in rollouts for trace in rollout]
     rewards = np.array([t.reward for t in traces if t.error is None], dtype=np.float64)
     failed = [gid for gid, group in group_traces(traces).items() if all(t.error for t in group)]
+    failed_rollouts = sum(any(t.error is not None for t in rollout) for rollout in rollouts)
     return EnvSummary(
-        traces=len(traces), errors=sum(t.error is not None for t in traces),
+        traces=len(traces), errors=sum(t.error is not None for t in traces), rollouts=len(rollouts),
+        error_fraction=failed_rollouts / len(rollouts) if rollouts else 0.0,
         reward_mean=float(rewards.mean()) if rewards.size else 0.0,
         reward_std=float(rewards.std()) if rewards.size else 0.0,
         failed_groups=failed,

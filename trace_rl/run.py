@@ -6,15 +6,16 @@ import logging
 from typing import Literal
 
 from trace_rl.config import Config, config_to_toml
+from trace_rl.errors import RefusedError
 from trace_rl.loading import check_config
 from trace_rl.session import config_hash
-from trace_rl.storage import RunStorage, step_name
+from trace_rl.storage import RunStorage, check_wipe, step_name
 
 logger = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "overwrite"]
 
 
-class RunExistsError(RuntimeError):
+class RunExistsError(RefusedError):
     pass
 
 
@@ -27,21 +28,33 @@ def first_unfinished_step(storage: RunStorage) -> int:
     return last if not storage.is_stable(storage.path("weights", step_name(last))) else last + 1
 
 
+def run_exists(storage: RunStorage) -> bool:
+    return storage.exists(storage.root) and bool(storage.fs.ls(storage.root, detail=False))
+
+
+def check_run(config: Config, mode: Mode) -> RunStorage:
+    """The run's storage, or RunExistsError when a new run would land in an existing run directory. The CLI
+    calls this before any flow run starts; `prepare_run` again (runs started from the Prefect UI)."""
+    storage = RunStorage(config.storage, config.name, config.storage_options)
+    if mode == "new" and run_exists(storage):
+        raise RunExistsError(
+            f"run directory {storage.url} already exists; pass --resume to continue it or --overwrite to wipe it "
+            "first (or choose another name)"
+        )
+    if mode == "overwrite":
+        check_wipe(storage, "--overwrite")
+    return storage
+
+
 def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
     """Check the config and set up the run directory; return its storage and the first step to run (1-based).
 
     The config is checked here too (not only by the CLI): a run started from the Prefect UI gets
     its config as a flow parameter, validated by the schema alone."""
     check_config(config)
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = check_run(config, mode)
     config_path = storage.path("config.toml")
-    exists = storage.exists(storage.root) and bool(storage.fs.ls(storage.root, detail=False))
-    if exists and mode == "new":
-        raise RunExistsError(
-            f"run directory {storage.url} already exists; pass --resume to continue it or --overwrite to wipe it "
-            "first (or choose another name)"
-        )
-    if exists and mode == "overwrite":
+    if mode == "overwrite" and run_exists(storage):
         logger.warning("--overwrite: deleting the existing run directory %s", storage.url)
         storage.remove(storage.root)
     if mode == "resume" and storage.exists(config_path):

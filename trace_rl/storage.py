@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import posixpath
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import fsspec
 
+from trace_rl import credentials
+from trace_rl.errors import RefusedError
+
 STABLE = "STABLE"
+RUN_MARKERS = ("config.toml", "replay.json")  # a directory holding one of these is a run (or a replay's --out)
 
 
 def step_name(step: int) -> str:
@@ -36,8 +42,8 @@ class RunStorage:
     def __init__(self, storage: str, name: str, storage_options: dict[str, Any] | None = None):
         self.storage = storage
         self.name = name
-        self.storage_options = dict(storage_options or {})
-        self.fs, base = fsspec.core.url_to_fs(storage, **self.storage_options)
+        self.storage_options = dict(storage_options or {})  # as configured: SecretStr credentials, references
+        self.fs, base = fsspec.core.url_to_fs(storage, **credentials.resolve(self.storage_options))
         self.root = f"{base.rstrip('/')}/{name}"
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
@@ -52,12 +58,23 @@ class RunStorage:
         """The run's URL, as a user would type it."""
         return self.root if self.protocol in ("file", "local") else f"{self.protocol}://{self.root}"
 
+    @property
+    def location(self) -> tuple[str, str]:
+        """(protocol, root) normalized for comparison: a local root absolute with symlinks resolved, any other
+        with `.`, `..` and doubled slashes folded."""
+        if self.protocol in ("file", "local"):
+            return "file", os.path.realpath(self.root)
+        return self.protocol, posixpath.normpath("/" + self.root)
+
+    def url_of_path(self, path: str) -> str:
+        """The URL of a path of this filesystem (one `path()` or `step_path()` gave), as a user would type it."""
+        return path if self.protocol in ("file", "local") else f"{self.protocol}://{path}"
+
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
     def url_of(self, *parts: str) -> str:
-        path = self.path(*parts)
-        return path if self.protocol in ("file", "local") else f"{self.protocol}://{path}"
+        return self.url_of_path(self.path(*parts))
 
     def step_path(self, step: int, filename: str) -> str:
         return self.path("steps", step_name(step), filename)
@@ -148,3 +165,56 @@ class RunStorage:
             target = os.path.join(local_dir, rel)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             self.fs.get_file(path, target)
+
+    # -- what wiping the run directory would delete -------------------------------------
+    def nested_runs(self) -> list[str]:
+        """URLs of the run directories below this one (each holding a RUN_MARKERS file), nearest first."""
+        if not self.exists(self.root):
+            return []
+        own = {self.path(marker) for marker in RUN_MARKERS}
+        found = {path.rsplit("/", 1)[0] for path in self.fs.find(self.root)
+                 if path.rsplit("/", 1)[-1] in RUN_MARKERS and path not in own}
+        return [self.url_of_path(path) for path in sorted(found, key=lambda p: (p.count("/"), p))]
+
+    def enclosing_run(self) -> str | None:
+        """The URL of a run directory this one lies inside (a RUN_MARKERS file in a parent), or None."""
+        parent = self.root.rstrip("/")
+        while "/" in parent.strip("/"):
+            parent = parent.rsplit("/", 1)[0]
+            if any(self.exists(f"{parent}/{marker}") for marker in RUN_MARKERS):
+                return self.url_of_path(parent)
+        return None
+
+
+def overlap(a: RunStorage, b: RunStorage) -> str | None:
+    """How `a`'s directory relates to `b`'s when they share files ("is", "is inside" or "contains"), else None."""
+    (protocol_a, root_a), (protocol_b, root_b) = a.location, b.location
+    if protocol_a != protocol_b:
+        return None
+    if root_a == root_b:
+        return "is"
+    if root_a.startswith(root_b.rstrip("/") + "/"):
+        return "is inside"
+    if root_b.startswith(root_a.rstrip("/") + "/"):
+        return "contains"
+    return None
+
+
+def check_wipe(storage: RunStorage, flag: str) -> None:
+    """RefusedError unless wiping `storage`'s directory deletes that run alone: not a directory holding other
+    runs, nor one inside another run, nor a non-empty directory that is no run at all."""
+    if not storage.exists(storage.root) or not storage.fs.ls(storage.root, detail=False):
+        return
+    fix = "check `storage` and `name` (or --out), or delete it yourself if it is yours to lose"
+    nested = storage.nested_runs()
+    if nested:
+        listed = ", ".join(nested[:5]) + (f" and {len(nested) - 5} more" if len(nested) > 5 else "")
+        raise RefusedError(f"{flag} would delete {storage.url}, which holds other runs ({listed}); nothing was "
+                           f"deleted; {fix}")
+    enclosing = storage.enclosing_run()
+    if enclosing is not None:
+        raise RefusedError(f"{flag} would delete {storage.url}, which is inside the run {enclosing}; nothing was "
+                           f"deleted; {fix}")
+    if not any(storage.exists(storage.path(marker)) for marker in (*RUN_MARKERS, "steps")):
+        raise RefusedError(f"{flag} would delete {storage.url}, which is not a trace-rl run directory (no "
+                           f"{', '.join(RUN_MARKERS)} or steps/ in it); nothing was deleted; {fix}")

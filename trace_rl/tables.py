@@ -200,14 +200,65 @@ def table_to_samples(table: pa.Table) -> list[TrainingSample]:
     return samples
 
 
+class TableError(ValueError):
+    """A Parquet file without a column its reader needs, or with a column of another type."""
+
+
+def plain_type(type_: pa.DataType) -> pa.DataType:
+    """`type_` with large strings, binaries and lists as the plain ones (what pandas or polars may write)."""
+    if pa.types.is_large_string(type_):
+        return pa.string()
+    if pa.types.is_large_binary(type_):
+        return pa.binary()
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        return pa.list_(plain_type(type_.value_type))
+    if pa.types.is_struct(type_):
+        return pa.struct([field.with_type(plain_type(field.type)) for field in type_])
+    if pa.types.is_map(type_):
+        return pa.map_(plain_type(type_.key_type), plain_type(type_.item_type))
+    return type_
+
+
+def type_name(type_: pa.DataType) -> str:
+    """`list<int32>` rather than pyarrow's `list<item: int32>` / `list<element: int32>` (names differ by writer)."""
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        return f"{'large_' if pa.types.is_large_list(type_) else ''}list<{type_name(type_.value_type)}>"
+    if pa.types.is_map(type_):
+        return f"map<{type_name(type_.key_type)}, {type_name(type_.item_type)}>"
+    return str(type_)
+
+
+def check_columns(table: pa.Table, schema: pa.Schema, where: str, optional: tuple[str, ...] = ()) -> pa.Table:
+    """`table` with each of `schema`'s columns of its type (large variants cast to the plain ones); else TableError
+    naming the file `where` and the first missing or mistyped column. Other columns are left as they are."""
+    for field in schema:
+        if field.name not in table.column_names:
+            if field.name in optional:
+                continue
+            raise TableError(f"{where}: column {field.name!r} ({type_name(field.type)}) is missing; docs/storage.md "
+                             "lists the columns of every table")
+        actual = table.schema.field(field.name).type
+        if actual == field.type:
+            continue
+        if plain_type(actual) != field.type:
+            raise TableError(f"{where}: column {field.name!r} has type {type_name(actual)}, expected "
+                             f"{type_name(field.type)} (docs/storage.md)")
+        index = table.column_names.index(field.name)
+        table = table.set_column(index, field.name, table.column(field.name).cast(field.type))
+    return table
+
+
 def write_table(storage: RunStorage, path: str, table: pa.Table) -> None:
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     storage.write_atomic(path, buffer.getvalue())
 
 
-def read_table(storage: RunStorage, path: str) -> pa.Table:
-    return pq.read_table(io.BytesIO(storage.read_bytes(path)))
+def read_table(storage: RunStorage, path: str, schema: pa.Schema | None = None,
+               optional: tuple[str, ...] = ()) -> pa.Table:
+    """The table at `path`; with `schema`, checked to have its columns (`check_columns`)."""
+    table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
+    return table if schema is None else check_columns(table, schema, storage.url_of_path(path), optional)
 
 
 def write_traces(storage: RunStorage, step: int, traces: list[Trace]) -> str:
@@ -217,7 +268,7 @@ def write_traces(storage: RunStorage, step: int, traces: list[Trace]) -> str:
 
 
 def read_traces(storage: RunStorage, step: int) -> list[Trace]:
-    return table_to_traces(read_table(storage, storage.step_path(step, "traces.parquet")))
+    return table_to_traces(read_table(storage, storage.step_path(step, "traces.parquet"), TRACE_SCHEMA))
 
 
 def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -> str:
@@ -227,7 +278,8 @@ def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -
 
 
 def read_batch(storage: RunStorage, step: int) -> list[TrainingSample]:
-    return table_to_samples(read_table(storage, storage.step_path(step, "batch.parquet")))
+    return table_to_samples(read_table(storage, storage.step_path(step, "batch.parquet"), BATCH_SCHEMA,
+                                       optional=("sampled",)))
 
 
 CHANNEL_SCHEMA = pa.schema(
@@ -278,4 +330,4 @@ def write_channels(storage: RunStorage, path: str, channels: list[Channel]) -> s
 
 
 def read_channels(storage: RunStorage, path: str) -> list[Channel]:
-    return table_to_channels(read_table(storage, path))
+    return table_to_channels(read_table(storage, path, CHANNEL_SCHEMA))

@@ -62,3 +62,33 @@ def test_unknown_trace_or_branch():
 def test_source_names_where_remote_channels_came_from():
     with pytest.raises(DimensionError, match=r"^http://127.0.0.1:9000: " + WHERE + "values has shape"):
         validate_channels([reward_trace("a", 1.0)], [channel(values=np.zeros(3))], source="http://127.0.0.1:9000")
+
+
+def test_non_finite_advantages_from_a_real_algorithm_are_rejected_naming_env_trace_branch_and_algorithm():
+    from tests.algorithms.helpers import run
+    from trace_rl.algorithms.base import Algorithm, AlgorithmConfig
+    from trace_rl.algorithms.runner import run_algorithm
+
+    class Normalized(Algorithm):
+        """(reward - mean) / std without an epsilon: NaN for a group whose rewards are all equal."""
+
+        loss = "rl"
+
+        async def advantage(self, traces):
+            rewards = np.array([t.reward for t in traces], np.float32)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                scores = (rewards - rewards.mean()) / rewards.std()
+            for trace, score in zip(traces, scores):
+                branch = trace.branches[0]
+                branch.mask = branch.sampled.copy()
+                branch.advantages = np.where(branch.mask, score, 0).astype(np.float32)
+
+    traces = [reward_trace("a", 1.0), reward_trace("b", 0.0), reward_trace("c", 1.0, group="g1"),
+              reward_trace("d", 1.0, group="g1")]
+    algorithm = Normalized(AlgorithmConfig(id="normalized"))
+    channels = run(run_algorithm(algorithm, traces))
+    assert [c.trace_id for c in channels] == ["a", "b", "c", "d"]
+    assert np.isfinite(channels[0].values).all() and np.isnan(channels[2].values[5])
+    with pytest.raises(DimensionError, match=r"env 'toy' trace 'c' branch 0 algorithm 'normalized': value at token 5 "
+                                             r"is nan \(nan in float32\); values must be finite in float32"):
+        validate_channels(traces, channels)

@@ -8,12 +8,14 @@ import time
 
 import numpy as np
 import pytest
+from pydantic import BaseModel
 
 from tests.envs.conftest import FailingRuntime
 from trace_rl.config import Config
+from trace_rl.envs.base import Environment, Example
 from trace_rl.errors import RetryableError
-from trace_rl.rollouts import sample_rollouts
-from trace_rl.trace import group_traces
+from trace_rl.rollouts import RolloutError, sample_rollouts
+from trace_rl.trace import Message, TraceError, group_traces
 
 
 def make_config(**inference) -> Config:
@@ -84,6 +86,7 @@ def test_timeouts_are_retryable_and_exhausted_retries_mark_the_trace(hf_runtime)
     config = make_config(max_retries=1, request_timeout_s=0.05)
     config.env = config.env[:1]
     config.env[0].batch_size, config.env[0].group_size = 1, 2
+    config.env[0].max_error_fraction = 1.0  # every rollout fails on purpose
     slow = FailingRuntime(hf_runtime, delay_s=1.0)
     traces, summary = run(config, slow)
     assert slow.calls == 4  # two rollouts, two attempts each
@@ -93,6 +96,8 @@ def test_timeouts_are_retryable_and_exhausted_retries_mark_the_trace(hf_runtime)
 
 def test_other_errors_mark_traces_and_failed_groups_are_reported(hf_runtime, caplog):
     config = make_config()
+    for env in config.env:
+        env.max_error_fraction = 1.0  # every rollout fails on purpose
     broken = FailingRuntime(hf_runtime, ValueError("bad prompt"))
     with caplog.at_level(logging.WARNING, logger="trace_rl.rollouts"):
         traces, summary = run(config, broken)
@@ -104,3 +109,89 @@ def test_other_errors_mark_traces_and_failed_groups_are_reported(hf_runtime, cap
     assert failed == list(group_traces(traces)) and len(failed) == 3
     assert sum("every rollout of group" in r.message for r in caplog.records) == 3
     assert summary.metrics()["rollouts/reverse-text/failed_groups"] == 2.0
+
+
+class TwinAgents(Environment):
+    """A buggy two-agent env: both agents' traces are named 'policy-agent'."""
+
+    def make_example(self, rng):
+        return {}
+
+    async def rollout(self, example, sampler):
+        traces = []
+        for agent in range(2):
+            conversation = sampler.conversation([Message(role="user", content="hi")], agent=agent)
+            await conversation.sample()
+            traces.append(self.trace(example, conversation))
+        return traces
+
+
+class FailingFirst(Environment):
+    """Its first `failures` rollouts raise; the others sample one real turn."""
+
+    class Args(BaseModel):
+        failures: int
+
+    calls = 0
+
+    def make_example(self, rng):
+        return {}
+
+    async def rollout(self, example, sampler):
+        self.calls += 1
+        if self.calls <= self.args.failures:
+            raise ValueError(f"broken rollout {self.calls}")
+        conversation = sampler.conversation([Message(role="user", content="hi")])
+        await conversation.sample()
+        return [self.trace(example, conversation, reward=1.0)]
+
+
+class SameExample(FailingFirst):
+    """A buggy env: every example has the same id, so their groups would merge."""
+
+    def examples(self, seed, count):
+        return [Example(id="only", data={}) for _ in range(count)]
+
+
+def env_config(env_class, batch_size=2, group_size=4, **fields) -> Config:
+    return Config(name="rollouts-test", sampling={"max_completion_tokens": 4}, inference={"max_concurrent": 3},
+                  env=[{"id": f"{__name__}:{env_class.__name__}", "batch_size": batch_size, "group_size": group_size,
+                        **fields}])
+
+
+def test_two_traces_of_one_agent_in_a_rollout_are_an_error_naming_the_env_and_ids(hf_runtime):
+    config = env_config(TwinAgents, batch_size=1, group_size=1)
+    with pytest.raises(TraceError, match=rf"env '{__name__}:TwinAgents' returned several traces of one agent in one "
+                                         r"rollout \(trace ids 'step1-.*-r0-policy-agent'\); give each agent"):
+        run(config, hf_runtime, step=1)
+
+
+def test_duplicate_example_ids_are_an_error_instead_of_merged_groups(hf_runtime):
+    with pytest.raises(TraceError, match=rf"env '{__name__}:SameExample' returned the example ids 'only' more than "
+                                         "once in one step"):
+        run(env_config(SameExample, args={"failures": 0}), hf_runtime)
+
+
+def test_too_many_failed_rollouts_fail_the_step_with_the_first_errors(hf_runtime):
+    config = env_config(FailingFirst, args={"failures": 5})  # 5 of 8 rollouts
+    with pytest.raises(RolloutError, match=r"step 2: env '.*:FailingFirst': 5 of 8 rollouts failed \(62%, more than "
+                                           r"env.0.max_error_fraction = 0.5\); first errors:\n"
+                                           r"  - ValueError: broken rollout 1\n  - ValueError: broken rollout 2\n"
+                                           r"  - ValueError: broken rollout 3\n  \(2 more distinct errors\)"):
+        run(config, hf_runtime, step=2)
+    config.env[0].max_error_fraction = 0.0
+    config.env[0].args = {"failures": 1}
+    with pytest.raises(RolloutError, match="1 of 8 rollouts failed"):
+        run(config, hf_runtime, step=2)
+
+
+def test_failed_rollouts_up_to_the_limit_pass_with_their_error_fraction_as_a_metric(hf_runtime):
+    traces, summary = run(env_config(FailingFirst, args={"failures": 4}), hf_runtime)  # 4 of 8: exactly 0.5
+    name = f"{__name__}:FailingFirst"
+    assert [t.error for t in traces].count(None) == 4
+    assert summary.envs[name].error_fraction == 0.5 and summary.envs[name].errors == 4
+    metrics = summary.metrics()
+    assert metrics[f"rollouts/{name}/error_fraction"] == 0.5 and metrics[f"rollouts/{name}/traces"] == 8.0
+    assert metrics[f"rollouts/{name}/reward_mean"] == 1.0
+    _, clean = run(env_config(FailingFirst, args={"failures": 0}), hf_runtime)
+    assert clean.metrics()[f"rollouts/{name}/error_fraction"] == 0.0

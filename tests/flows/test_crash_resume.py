@@ -26,20 +26,29 @@ def write_config(tmp_path: Path, name: str) -> Path:
 
 
 def start(config: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trace_rl.cli", "train", str(config), *flags], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """The run, its stderr in a file beside the config (vLLM logs more than a pipe holds unread)."""
+    log = open(config.with_suffix(f".{time.monotonic_ns()}.log"), "w+")  # noqa: SIM115 - read by output()
+    process = subprocess.Popen([sys.executable, "-m", "trace_rl.cli", "train", str(config), *flags], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
+    process.log = log
+    return process
+
+
+def output(process: subprocess.Popen) -> str:
+    process.log.seek(0)
+    return process.log.read()
 
 
 def finish(process: subprocess.Popen) -> None:
-    _, err = process.communicate(timeout=600)
-    assert process.returncode == 0, err[-3000:]
+    process.wait(timeout=600)
+    assert process.returncode == 0, output(process)[-3000:]
 
 
 def kill_when(process: subprocess.Popen, ready, timeout: float = 300) -> None:
     """SIGKILL the process (and its children) as soon as `ready()` holds."""
     deadline = time.monotonic() + timeout
     while not ready():
-        assert process.poll() is None, f"the run ended before the kill point: {process.stderr.read()[-3000:]}"
+        assert process.poll() is None, f"the run ended before the kill point: {output(process)[-3000:]}"
         assert time.monotonic() < deadline, "kill point never reached"
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import VLLM_ENGINE
-from tests.flows.test_crash_resume import ROOT, weights
+from tests.flows.test_crash_resume import finish, output, start, weights
 from tests.flows.conftest import small_config
 from trace_rl.storage import RunStorage
 
@@ -31,25 +30,6 @@ def write_config(tmp_path: Path, name: str) -> Path:
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(data))
     return path
-
-
-def start(config: Path, *flags: str) -> subprocess.Popen:
-    """The run, its stderr in a file beside the config (vLLM logs more than a pipe holds unread)."""
-    log = open(config.with_suffix(f".{time.monotonic_ns()}.log"), "w+")  # noqa: SIM115 - read by output()
-    process = subprocess.Popen([sys.executable, "-m", "trace_rl.cli", "train", str(config), *flags], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
-    process.log = log
-    return process
-
-
-def output(process: subprocess.Popen) -> str:
-    process.log.seek(0)
-    return process.log.read()
-
-
-def finish(process: subprocess.Popen) -> None:
-    process.wait(timeout=600)
-    assert process.returncode == 0, output(process)[-3000:]
 
 
 def engine_core_pid(parent: int) -> int | None:

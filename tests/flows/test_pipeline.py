@@ -115,12 +115,12 @@ def test_replay_with_the_runs_own_algorithms_reproduces_its_batches(prefect_api,
 def test_replay_refuses_a_non_empty_out_unless_overwrite(prefect_api, finished_run, tmp_path):
     from flows.replay import replay
     from trace_rl.algorithms.base import AlgorithmConfig
-    from trace_rl.config import ConfigError
+    from trace_rl.errors import RefusedError
 
     source = RunStorage(finished_run.storage, finished_run.name).url
     out = f"{tmp_path}/again"
     replay(run=source, algorithms=[AlgorithmConfig(id="grpo")], out=out, steps="1")
-    with pytest.raises(ConfigError, match="not empty.*--overwrite"):
+    with pytest.raises(RefusedError, match="not empty.*--overwrite"):
         replay(run=source, algorithms=[AlgorithmConfig(id="grpo")], out=out, steps="1")
     summaries = replay(run=source, algorithms=[AlgorithmConfig(id="rl")], out=out, steps="2", overwrite=True)
     assert [s["step"] for s in summaries] == [2]

@@ -49,7 +49,7 @@ def test_seeded_requests_past_the_step_budget_sample_the_same_tokens_as_alone(vl
 
 
 @pytest.mark.parametrize("name", ["alphabet-sort", "link-nav"])
-def test_multi_turn_envs_train_two_steps_past_the_step_budget(name, tmp_path, vllm_runtime):
+def test_multi_turn_envs_train_two_steps_past_the_step_budget(name, tmp_path, shared_vllm):
     """The configs that crashed, two steps each, with more prompt tokens in flight than one engine step takes."""
     from trace_rl.session import Session
     from trace_rl.step import run_step

@@ -109,7 +109,10 @@ def is_import_path(algorithm_id: str) -> bool:
 
 
 def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
-    """The class for a builtin/registered id or a `package.module:ClassName` path; None if unknown."""
+    """The class for a builtin/registered id or a `package.module:ClassName` path; None if unknown here (no
+    such id, or the module itself does not exist: an env server may know it). A module that exists but fails
+    to import (a missing dependency, an error inside it), or lacks the class, raises AlgorithmError naming
+    the module and the original error: it is never taken for an unknown, remote algorithm."""
     import trace_rl.algorithms.builtins  # noqa: F401  (registers the builtins)
 
     if algorithm_id in REGISTRY:
@@ -118,9 +121,19 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
         return None
     module_name, _, attr = algorithm_id.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError):
-        return None
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return None  # the module itself is not here
+        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
+                             f"{type(exc).__name__}: {exc}; install the missing package or fix the module") from exc
+    except Exception as exc:  # an ImportError or any error raised while the module runs
+        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
+                             f"{type(exc).__name__}: {exc}; fix the module or install its dependencies") from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise AlgorithmError(f"algorithm {algorithm_id!r}: module {module_name!r} has no attribute {attr!r}; "
+                             "check the class name after ':'")
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise AlgorithmError(f"{algorithm_id!r} is not a trace_rl Algorithm subclass")
     return cls

@@ -38,40 +38,30 @@ class ParsedReply:
     errors: list[ToolCallError] = field(default_factory=list)
 
 
-def parse_call(body: str) -> tuple[str, dict] | ToolCallError:
-    """(name, arguments) of one call's text, or why it is malformed."""
+def parse_call(body: str) -> ToolCall | ToolCallError:
+    """One call's text as a ToolCall (its id filled in by the caller), or why it is malformed."""
     body = body.strip()
     if body.startswith("{"):
-        return parse_hermes(body)
-    name, _, raw = body.partition(" ")
-    if not NAME.fullmatch(name):
-        return ToolCallError(None, f"malformed tool call {body[:80]!r}: expected "
-                                   '{"name": ..., "arguments": {...}} or \'name {json}\'')
-    try:
-        arguments = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError as exc:
-        return ToolCallError(name, f"arguments of {name} are not valid JSON: {exc.msg}")
-    if not isinstance(arguments, dict):
-        return ToolCallError(name, f"arguments of {name} must be a JSON object")
-    return name, arguments
-
-
-def parse_hermes(body: str) -> tuple[str, dict] | ToolCallError:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ToolCallError(None, f"tool call is not valid JSON: {exc.msg} in {body[:80]!r}")
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not NAME.fullmatch(call["name"]):
-        return ToolCallError(None, 'a tool call needs a "name" string: {"name": ..., "arguments": {...}}')
-    name, arguments = call["name"], call.get("arguments", {})
-    if isinstance(arguments, str):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return ToolCallError(None, f"tool call is not valid JSON: {exc.msg} in {body[:80]!r}")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not NAME.fullmatch(call["name"]):
+            return ToolCallError(None, 'a tool call needs a "name" string: {"name": ..., "arguments": {...}}')
+        name, arguments = call["name"], call.get("arguments", {})
+    else:
+        name, _, arguments = body.partition(" ")
+        if not NAME.fullmatch(name):
+            return ToolCallError(None, f"malformed tool call {body[:80]!r}: expected "
+                                       '{"name": ..., "arguments": {...}} or \'name {json}\'')
+    if isinstance(arguments, str):  # the compact form's text, or Hermes arguments given as a JSON string
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             return ToolCallError(name, f"arguments of {name} are not valid JSON: {exc.msg}")
     if not isinstance(arguments, dict):
         return ToolCallError(name, f"arguments of {name} must be a JSON object")
-    return name, arguments
+    return ToolCall(id="", name=name, arguments=arguments)
 
 
 def parse_tool_calls(text: str, call_prefix: str) -> ParsedReply:
@@ -83,7 +73,7 @@ def parse_tool_calls(text: str, call_prefix: str) -> ParsedReply:
         if isinstance(parsed, ToolCallError):
             errors.append(parsed)
         else:
-            calls.append(ToolCall(id=f"{call_prefix}-{i}", name=parsed[0], arguments=parsed[1]))
+            calls.append(parsed.model_copy(update={"id": f"{call_prefix}-{i}"}))
     if text.count(OPEN) > text.count(CLOSE):
         errors.append(ToolCallError(None, f"unclosed {OPEN}: close every call with {CLOSE}"))
     if calls and text.rsplit(CLOSE, 1)[-1].strip():

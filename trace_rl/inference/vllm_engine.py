@@ -40,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trace_rl.errors import EngineDeadError
+from trace_rl.inference.vllm_logging import quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
 from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
@@ -105,6 +106,7 @@ class EngineLog:
             "class": "logging.FileHandler", "filename": self.path, "level": "ERROR", "formatter": "vllm",
         }
         config["loggers"]["vllm"]["handlers"].append("trace_rl_engine_errors")
+        quiet_config(config)
         config_path = self.path.removesuffix(".log") + ".json"
         with open(config_path, "w") as handle:
             json.dump(config, handle)
@@ -154,12 +156,14 @@ class EngineWorker:
         threading.Thread(target=self._monitor, name=f"vllm-monitor-{config.key}", daemon=True).start()
 
     def _start_engine(self):
+        quiet_imports()
         from vllm import LLM
         from vllm.platforms import current_platform
 
         try:
             with self._log.capturing():
-                return LLM(model=self.model_path, **engine_arguments(self._config, current_platform.is_cpu()))
+                return LLM(model=self.model_path, use_tqdm_on_load=verbose(),
+                           **engine_arguments(self._config, current_platform.is_cpu()))
         except Exception as exc:
             raise EngineDeadError(f"{self.name} failed to start: {self._describe(exc)}") from exc
 
@@ -238,7 +242,7 @@ class EngineWorker:
                 try:
                     if kind == "request":
                         prompt_ids, params = payload
-                        engine.add_request(command_id, {"prompt_token_ids": prompt_ids}, params)
+                        engine.add_request(command_id, {"type": "token", "prompt_token_ids": prompt_ids}, params)
                     else:
                         self._resolve(command_id, result=payload(llm))
                 except Exception as exc:  # noqa: BLE001 - reported to the caller through its future
@@ -351,6 +355,9 @@ class VLLMEngineRuntime:
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
         self.vocab_size = self.worker.llm.llm_engine.model_config.get_vocab_size()
         self._expected = local_tensor_shapes(self.worker.model_path)
+        # a tied output layer is the embedding: its checkpoints leave `lm_head.weight` out (any other must have it)
+        hf_config = self.worker.llm.llm_engine.model_config.hf_text_config
+        self._tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
 
     async def generate(
         self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
@@ -382,7 +389,7 @@ class VLLMEngineRuntime:
     async def load_weights(self, local_dir: str, version: int) -> None:
         """Check the new weights, then reload them in place between two engine steps and drop the
         prefix cache (its KV entries were computed with the old weights)."""
-        check_weights(local_dir, self._expected)
+        check_weights(local_dir, self._expected, optional=self._tied)
 
         def reload(llm) -> None:
             llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": local_dir})

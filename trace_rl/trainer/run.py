@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 from trace_rl.config import Config
+from trace_rl.credentials import REVEAL
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch
 
@@ -73,8 +74,8 @@ def launch_workers(config: Config, step: int, extra_state: dict[str, Any] | None
         config_path = os.path.join(tmp, "config.json")
         extra_path = os.path.join(tmp, "extra_state.pt")
         metrics_path = os.path.join(tmp, "metrics.json")
-        with open(config_path, "w") as f:
-            f.write(config.model_dump_json())
+        with open(config_path, "w") as f:  # a private temporary directory: the workers need the real credentials
+            f.write(config.model_dump_json(context={REVEAL: True}))
         torch.save(dict(extra_state or {}), extra_path)
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",

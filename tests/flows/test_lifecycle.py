@@ -1,0 +1,147 @@
+"""A newcomer's first hour (issue 19), with real `trace-rl` processes and the real Prefect server: a SIGKILLed
+run leaves no process behind, its resume marks the killed flow runs Crashed, refusals are one line with
+exit code 2 and no flow run, and a run's output is quiet and says where things are."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import tomli_w
+
+from tests.flows.conftest import small_config
+from tests.flows.test_crash_resume import ROOT, finish, output, start
+from tests.flows.test_engine_death import task_running, write_config
+from trace_rl.processes import descendants, is_alive, name, stat
+from trace_rl.storage import RunStorage
+
+GONE_WITHIN_S = 15
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trace_rl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def flow_runs(api_url: str, name: str) -> list[dict]:
+    response = httpx.post(f"{api_url}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [name]}}}, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def flow_run_count(api_url: str) -> int:
+    return httpx.post(f"{api_url}/flow_runs/count", json={}, timeout=10).json()
+
+
+def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_refusals_are_one_message_with_exit_code_2_and_no_flow_run(prefect_api, tmp_path):
+    from trace_rl.config import config_to_toml
+    from trace_rl.loading import validate_config
+
+    config = tmp_path / "existing.toml"
+    config.write_text(tomli_w.dumps(small_config(str(tmp_path / "runs"), "existing")))
+    (tmp_path / "runs" / "existing").mkdir(parents=True)
+    (tmp_path / "runs" / "existing" / "config.toml").write_text(
+        config_to_toml(validate_config(small_config(str(tmp_path / "runs"), "existing"))))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "batch.parquet").write_text("an earlier replay")
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text(tomli_w.dumps({**small_config(str(tmp_path / "runs"), "unknown"), "stpes": 3}))
+    before = flow_run_count(prefect_api)
+
+    assert_refused(cli("train", str(config)), "pass --resume to continue it or --overwrite")
+    assert_refused(cli("replay", "--run", str(tmp_path / "runs" / "existing"), "--algorithms", '["grpo"]',
+                       "--out", str(tmp_path / "out")), "is not empty; choose a new directory or pass --overwrite")
+    assert_refused(cli("train", str(unknown)), "stpes: unknown key; did you mean 'steps'?")
+    assert flow_run_count(prefect_api) == before
+
+
+def alive(processes: dict[int, int]) -> list[str]:
+    return [f"{name(pid)} (pid {pid})" for pid, start in processes.items() if is_alive(pid, start)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefect_api, tmp_path):
+    config = write_config(tmp_path, "killed-run")
+    run = start(config)
+
+    def wait_for(ready, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert run.poll() is None, f"the run ended before {what}: {output(run)[-3000:]}"
+            assert time.monotonic() < deadline, f"{what} never came"
+            time.sleep(0.02)
+
+    # while its engine starts (20-40 s), a second process for the same run is refused
+    wait_for(lambda: any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid)), "the engine")
+    assert_refused(cli("train", str(config), "--resume"), f"is being trained right now by process {run.pid}")
+
+    wait_for(lambda: task_running(prefect_api, "killed-run-step-2", "sample_rollouts"), "step 2 sampled")
+    started = {pid: stat(pid).start for pid in descendants(run.pid)}
+    assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
+    os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
+    run.wait()
+    killed = time.monotonic()
+    while alive(started) and time.monotonic() - killed < GONE_WITHIN_S:
+        time.sleep(0.1)
+    assert not alive(started), f"still alive {GONE_WITHIN_S} s after the kill: {alive(started)}"
+    (old,) = [r for r in flow_runs(prefect_api, "killed-run") if r["state"]["type"] == "RUNNING"]
+    (old_step,) = [r for r in flow_runs(prefect_api, "killed-run-step-2") if r["state"]["type"] == "RUNNING"]
+
+    resumed = start(config, "--resume")
+    finish(resumed)
+    new = [r for r in flow_runs(prefect_api, "killed-run") if r["id"] != old["id"]]
+    assert [r["state"]["name"] for r in new] == ["Completed"]
+    for killed_run in (old, old_step):
+        state = httpx.get(f"{prefect_api}/flow_runs/{killed_run['id']}", timeout=10).json()["state"]
+        assert state["name"] == "Crashed", state
+        assert f"pid {run.pid}" in state["message"] and f"taken over by flow run {new[0]['id']}" in state["message"]
+
+    # the resumed run's output: quiet (one line per step, no vLLM reload warnings) and it says where things are
+    text = output(resumed)
+    assert "Failed to load weights" not in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert re.search(r"^step 2/3: reward [0-9.]+", text, re.MULTILINE) and re.search(r"^step 3/3: reward", text, re.MULTILINE), text
+    storage = RunStorage(str(tmp_path / "runs"), "killed-run")
+    assert f"run directory:      {storage.url}" in text, text[-2000:]
+    assert f"weights of step 3:  {storage.url_of('weights', '000003')}" in text, text[-2000:]
+    assert f"this run in the UI: {prefect_api.removesuffix('/api')}/runs/flow-run/{new[0]['id']}" in text
+
+
+@pytest.mark.slow
+def test_server_start_marks_the_flow_runs_of_dead_processes_crashed(prefect_api, tmp_path):
+    from trace_rl.processes import identity
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = identity(gone.pid)  # taken while it runs, as a flow run labels itself
+    gone.wait()
+    flow = httpx.post(f"{prefect_api}/flows/", json={"name": "train"}, timeout=10).json()
+    labels = {"trace-rl.run": str(tmp_path / "runs" / "ghost"), **{f"trace-rl.{k}": v for k, v in process.items()}}
+    ghost = httpx.post(f"{prefect_api}/flow_runs/", timeout=10, json={
+        "flow_id": flow["id"], "name": "ghost", "labels": labels, "state": {"type": "RUNNING"}}).json()
+    alive_labels = {**labels, **{f"trace-rl.{k}": v for k, v in identity().items()}}  # this process: alive
+    living = httpx.post(f"{prefect_api}/flow_runs/", timeout=10, json={
+        "flow_id": flow["id"], "name": "living", "labels": alive_labels, "state": {"type": "RUNNING"}}).json()
+
+    result = cli("server", "start")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"marked the flow run ghost ({ghost['id']}) Crashed" in result.stdout
+    state = httpx.get(f"{prefect_api}/flow_runs/{ghost['id']}", timeout=10).json()["state"]
+    assert state["name"] == "Crashed" and f"pid {gone.pid}" in state["message"] and "server start" in state["message"]
+    assert httpx.get(f"{prefect_api}/flow_runs/{living['id']}", timeout=10).json()["state"]["name"] == "Running"
+    httpx.post(f"{prefect_api}/flow_runs/{living['id']}/set_state", timeout=10,
+               json={"state": {"type": "CANCELLED"}, "force": True}).raise_for_status()

@@ -1,0 +1,69 @@
+"""What vLLM prints by default: its warnings and errors, less the ones known to be harmless here.
+
+vLLM logs a few dozen INFO lines on every engine start and weight reload, and some warnings that say
+nothing is wrong with a run:
+
+- `RotaryEmbedding: Failed to load weights` on every weight reload: vLLM's in-place reload expects
+  each tensor of a layer in the checkpoint, and the rotary cos/sin cache is computed, never stored;
+- `ParallelLMHead: Failed to load weights` on every reload of a model with tied embeddings: its
+  checkpoints (the Hub's and the trainer's alike) have no `lm_head.weight`, the output layer shares
+  the embedding that was loaded, and trace-rl's worker extension re-packs it (vllm_worker.py). For a
+  model without tied embeddings `lm_head.weight` is required by the weight check before any reload,
+  so this warning cannot hide a missing output layer;
+- notes about the CPU platform and about settings trace-rl chose on purpose: Triton is missing,
+  the V1 model runner, eager mode, chunked prefill off (vllm_engine.py says why), LD_PRELOAD hints.
+
+`--verbose` (`TRACE_RL_VERBOSE=1`) shows everything, vLLM's INFO lines and progress bars included.
+A logging set-up of the user's own (`VLLM_LOGGING_CONFIG_PATH`, `VLLM_CONFIGURE_LOGGING=0`) is
+left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+VERBOSE_ENV = "TRACE_RL_VERBOSE"
+FILTER = "trace_rl_known_harmless"
+KNOWN_HARMLESS = re.compile(
+    r"^(RotaryEmbedding|ParallelLMHead): Failed to load weights$"
+    r"|^Triton is installed, but doesn't include CPU backend"
+    r"|^Triton is not installed\. triton-cpu is expected"
+    r"|^Model Runner V2 requires Triton"
+    r"|^Enforce eager set, disabling torch\.compile"
+    r"|^Inductor compilation was disabled by user settings"
+    r"|^This model does not officially support disabling chunked prefill"
+    r"|^(libtcmalloc|libiomp) is not found in LD_PRELOAD"
+)
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+class KnownHarmless(logging.Filter):
+    """Drops the records of KNOWN_HARMLESS (unless verbose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return verbose() or not KNOWN_HARMLESS.search(record.getMessage())
+
+
+def quiet_config(config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's logging config (as `VLLM_LOGGING_CONFIG_PATH` takes it) with its console handler at WARNING and
+    without the known-harmless warnings; unchanged when verbose."""
+    if verbose():
+        return config
+    config.setdefault("filters", {})[FILTER] = {"()": f"{__name__}.KnownHarmless"}
+    handler = config["handlers"]["vllm"]
+    handler["level"] = "WARNING"
+    handler["filters"] = [*handler.get("filters", []), FILTER]
+    return config
+
+
+def quiet_imports() -> None:
+    """Drop the known-harmless warning vLLM logs while it is imported, before its logging is set up."""
+    logger = logging.getLogger("vllm.triton_utils.importing")
+    if not any(isinstance(f, KnownHarmless) for f in logger.filters):
+        logger.addFilter(KnownHarmless())

@@ -1,0 +1,50 @@
+"""A quiet terminal by default: progress, warnings and errors; `--verbose` shows every log line.
+
+- Prefect's console shows its warnings and errors only (the UI keeps every log line);
+- vLLM shows no INFO lines and none of the warnings known to be harmless (inference/vllm_logging.py);
+- transformers draws no progress bar per step for loading and writing weights (Hub downloads keep theirs);
+- the vLLM engines stop in order before the process exits (vLLM's own exit handler warns that the engine
+  "exited unexpectedly").
+
+Settings the user made in the environment win.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from trace_rl.inference.vllm_logging import VERBOSE_ENV, verbose
+
+# vLLM touches a deprecated torch attribute while it imports, in this process and in each one it spawns
+REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
+
+
+def by_default(verbose_flag: bool) -> None:
+    """Set up this process (and the ones it starts) for a quiet terminal, or for every line with --verbose."""
+    if verbose_flag:
+        os.environ[VERBOSE_ENV] = "1"
+        return
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    warnings.filterwarnings("ignore", message=REDUCE_OP, category=FutureWarning)
+    os.environ.setdefault("PYTHONWARNINGS", f"ignore:{REDUCE_OP}:FutureWarning")
+
+
+def progress_bars() -> None:
+    """No transformers progress bars for the weights it loads and writes each step; Hub downloads keep theirs."""
+    if verbose():
+        return
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    enable_progress_bars()
+
+
+def stop_engines() -> None:
+    """Stop this process's vLLM engines (if any started) before it exits."""
+    if "trace_rl.inference.vllm_engine" in sys.modules:
+        from trace_rl.inference.vllm_engine import shutdown_engines
+
+        shutdown_engines()
