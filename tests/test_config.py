@@ -80,11 +80,11 @@ def test_set_into_a_value_names_the_key():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "trace_rl.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_dry_run_prints_resolved_config_without_torch_or_vllm():
-    probe = "import sys, trace_rl.cli as c; rc = c.main(sys.argv[1:]); " \
+    probe = "import sys, flows.cli as c; rc = c.main(sys.argv[1:]); " \
             "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'dry run imported torch/vllm'; sys.exit(rc)"
     out = subprocess.run([sys.executable, "-c", probe, "train", str(DEMO), "--dry-run", "--set", "trainer.lr=2e-5"],
                          capture_output=True, text=True, cwd=ROOT)

@@ -92,7 +92,7 @@ def test_online_a_missing_id_is_no_config_error_and_a_malformed_name_always_is(m
 def test_dry_run_of_a_missing_hub_id_offline_exits_2_with_one_clear_message(tmp_path):
     config = tmp_path / "missing.toml"
     config.write_text(DEMO.read_text().replace('name = "tiny"', f'name = "{MISSING}"\nrevision = "v2"'))
-    out = subprocess.run([sys.executable, "-m", "trace_rl.cli", "train", str(config), "--dry-run"],
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(config), "--dry-run"],
                          capture_output=True, text=True, cwd=ROOT, env=offline_env(tmp_path / "empty-cache"))
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
@@ -104,7 +104,7 @@ def test_dry_run_of_a_missing_hub_id_offline_exits_2_with_one_clear_message(tmp_
 def test_dry_run_of_the_cached_fixture_offline_passes_without_torch_or_vllm(realistic_model, tmp_path):
     config = tmp_path / "fixture.toml"
     config.write_text(DEMO.read_text().replace('name = "tiny"', f'name = "{realistic_model.repo_id}"'))
-    probe = ("import sys, trace_rl.cli as c; rc = c.main(sys.argv[1:]); "
+    probe = ("import sys, flows.cli as c; rc = c.main(sys.argv[1:]); "
              "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'dry run imported torch/vllm'; "
              "sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", probe, "train", str(config), "--dry-run"], capture_output=True,

@@ -28,7 +28,7 @@ def write_config(tmp_path: Path, name: str) -> Path:
 def start(config: Path, *flags: str) -> subprocess.Popen:
     """The run, its stderr in a file beside the config (vLLM logs more than a pipe holds unread)."""
     log = open(config.with_suffix(f".{time.monotonic_ns()}.log"), "w+")  # noqa: SIM115 - read by output()
-    process = subprocess.Popen([sys.executable, "-m", "trace_rl.cli", "train", str(config), *flags], cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", str(config), *flags], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
     process.log = log
     return process

@@ -20,7 +20,7 @@ TOKEN_ENV = "TRACE_RL_TEST_ENV_SERVER_TOKEN"
 
 
 def server_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "trace_rl.cli", "env-server", "--module", MODULE, *args]
+    return [sys.executable, "-m", "flows.cli", "env-server", "--module", MODULE, *args]
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The `trace-rl` command line.
+"""The `trace-rl` command line. It lives with the flows because it launches them: the library
+(`trace_rl/`) never imports Prefect, the flows or this module.
 
 Commands import heavy modules (torch, vllm, prefect) only when they run, so
 `trace-rl train CONFIG --dry-run` stays fast.
