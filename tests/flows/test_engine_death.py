@@ -21,12 +21,13 @@ STEPS = 3
 FAIL_WITHIN_S = 60
 
 
-def write_config(tmp_path: Path, name: str) -> Path:
+def write_config(tmp_path: Path, name: str, steps: int = STEPS) -> Path:
+    """A vLLM run whose steps sample for seconds (32 rollouts of 256 tokens), so a kill lands inside it."""
     import tomli_w
 
-    data = small_config(str(tmp_path / "runs"), name, steps=STEPS, inference={"backend": "vllm", **VLLM_ENGINE},
-                        sampling={"max_completion_tokens": 48})
-    data["env"] = [{"id": "reverse-text", "batch_size": 4, "group_size": 8}]  # sampling lasts a few seconds
+    data = small_config(str(tmp_path / "runs"), name, steps=steps, inference={"backend": "vllm", **VLLM_ENGINE},
+                        sampling={"max_completion_tokens": 256})
+    data["env"] = [{"id": "reverse-text", "batch_size": 4, "group_size": 8}]
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(data))
     return path
@@ -48,11 +49,36 @@ def engine_core_pid(parent: int) -> int | None:
     return None
 
 
-def task_running(api_url: str, flow_run_name: str, task_name: str) -> bool:
-    body = {"flow_runs": {"name": {"any_": [flow_run_name]}},
-            "task_runs": {"name": {"like_": f"{task_name}%"}, "state": {"type": {"any_": ["RUNNING"]}}}}
-    response = httpx.post(f"{api_url}/task_runs/filter", json=body, timeout=5)
-    return response.status_code == 200 and bool(response.json())
+def engine_cpu_seconds(parent: int) -> float:
+    """CPU time used so far by the vLLM processes under `parent` (the engine works only while it samples)."""
+    from trace_rl.processes import descendants, name
+
+    ticks = 0
+    for pid in descendants(parent):
+        if name(pid).startswith("VLLM::"):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def sampling(process: subprocess.Popen, api_url: str, run_name: str, step: int):
+    """A `ready()` for the sampling of `step`: its step flow run exists on the Prefect server (created by a
+    direct API call) and the engine has since worked for 0.5 CPU-seconds. (Task-run states reach the server
+    through events, too late to catch a few seconds of sampling by.)"""
+    baseline: list[float] = []
+
+    def ready() -> bool:
+        if not baseline:
+            body = {"flow_runs": {"name": {"any_": [f"{run_name}-step-{step}"]}}}
+            if httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=5).json():
+                baseline.append(engine_cpu_seconds(process.pid))
+            return False
+        return engine_cpu_seconds(process.pid) - baseline[0] > 0.5
+
+    return ready
 
 
 def kill_engine_when(process: subprocess.Popen, ready, what: str) -> str:
@@ -85,8 +111,8 @@ def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefe
 
     config = write_config(tmp_path, "killed")
     storage = RunStorage(str(tmp_path / "runs"), "killed")
-    err = kill_engine_when(start(config), lambda: task_running(prefect_api, "killed-step-2", "sample_rollouts"),
-                           "while step 2 sampled")
+    run = start(config)
+    err = kill_engine_when(run, sampling(run, prefect_api, "killed", 2), "while step 2 sampled")
     assert "vLLM engine for 'policy'" in err and "died" in err, err[-3000:]
     assert not storage.exists(storage.step_path(2, "traces.parquet"))  # the kill landed inside the sampling
 

@@ -17,7 +17,7 @@ import tomli_w
 
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import ROOT, finish, output, start
-from tests.flows.test_engine_death import task_running, write_config
+from tests.flows.test_engine_death import sampling, write_config
 from trace_rl.processes import descendants, is_alive, name, stat
 from trace_rl.storage import RunStorage
 
@@ -76,7 +76,7 @@ def alive(processes: dict[int, int]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefect_api, tmp_path):
-    config = write_config(tmp_path, "killed-run")
+    config = write_config(tmp_path, "killed-run", steps=2)
     run = start(config)
 
     def wait_for(ready, what: str) -> None:
@@ -90,17 +90,22 @@ def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefe
     wait_for(lambda: any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid)), "the engine")
     assert_refused(cli("train", str(config), "--resume"), f"is being trained right now by process {run.pid}")
 
-    wait_for(lambda: task_running(prefect_api, "killed-run-step-2", "sample_rollouts"), "step 2 sampled")
+    storage = RunStorage(str(tmp_path / "runs"), "killed-run")
+    wait_for(sampling(run, prefect_api, "killed-run", 2), "step 2 sampled")
     started = {pid: stat(pid).start for pid in descendants(run.pid)}
     assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
     run.wait()
     killed = time.monotonic()
+    assert not storage.exists(storage.step_path(2, "traces.parquet"))  # the kill landed inside the sampling
     while alive(started) and time.monotonic() - killed < GONE_WITHIN_S:
         time.sleep(0.1)
     assert not alive(started), f"still alive {GONE_WITHIN_S} s after the kill: {alive(started)}"
-    (old,) = [r for r in flow_runs(prefect_api, "killed-run") if r["state"]["type"] == "RUNNING"]
-    (old_step,) = [r for r in flow_runs(prefect_api, "killed-run-step-2") if r["state"]["type"] == "RUNNING"]
+    unfinished = lambda runs: [r for r in runs if r["state"]["type"] in ("RUNNING", "PENDING")]  # noqa: E731
+    (old,) = unfinished(flow_runs(prefect_api, "killed-run"))
+    step_runs = flow_runs(prefect_api, "killed-run-step-2")
+    assert len(unfinished(step_runs)) == 1, [(r["name"], r["state"]["type"]) for r in step_runs]
+    (old_step,) = unfinished(step_runs)
 
     resumed = start(config, "--resume")
     finish(resumed)
@@ -115,10 +120,9 @@ def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefe
     text = output(resumed)
     assert "Failed to load weights" not in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert re.search(r"^step 2/3: reward [0-9.]+", text, re.MULTILINE) and re.search(r"^step 3/3: reward", text, re.MULTILINE), text
-    storage = RunStorage(str(tmp_path / "runs"), "killed-run")
+    assert re.search(r"^step 2/2: reward [0-9.]+, entropy", text, re.MULTILINE), text[-3000:]
     assert f"run directory:      {storage.url}" in text, text[-2000:]
-    assert f"weights of step 3:  {storage.url_of('weights', '000003')}" in text, text[-2000:]
+    assert f"weights of step 2:  {storage.url_of('weights', '000002')}" in text, text[-2000:]
     assert f"this run in the UI: {prefect_api.removesuffix('/api')}/runs/flow-run/{new[0]['id']}" in text
 
 
