@@ -59,13 +59,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRACE_RL_CACHE", Path.home() / ".cache" / "trace-rl"))
 
 
-def resolve_model_path(name: str, revision: str | None = None) -> str:
-    """A local directory for `name`; kept for callers of the old location, see `trace_rl.hub.resolve_model_path`."""
-    from trace_rl.hub import resolve_model_path
-
-    return resolve_model_path(name, revision)
-
-
 def tiny_vocabulary() -> set[str]:
     """Every token of the tiny tokenizer: one per byte (byte-level characters) plus the special tokens."""
     from tokenizers import pre_tokenizers

@@ -380,7 +380,7 @@ class VLLMEngineRuntime:
 
         full = temperature != 1.0
         if full:
-            check_full_distribution_scoring(self.key, len(self.tokenizer), self.vocab_size, temperature)
+            check_full_distribution_scoring(self.key, self.vocab_size, temperature)
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, detokenize=False)
         output = await asyncio.wrap_future(self.worker.submit(list(token_ids), params))
         positions = [{t: lp.logprob for t, lp in entry.items()} for entry in output.prompt_logprobs[1:]]
@@ -403,10 +403,10 @@ class VLLMEngineRuntime:
 FULL_DISTRIBUTION_MAX_VOCAB = 32768
 
 
-def check_full_distribution_scoring(key: str, tokenizer_size: int, vocab_size: int, temperature: float) -> None:
+def check_full_distribution_scoring(key: str, vocab_size: int, temperature: float) -> None:
     """Scoring at T != 1 through vLLM needs every token's prompt logprob at every position; past
     FULL_DISTRIBUTION_MAX_VOCAB that is gigabytes of Python objects per sequence, so say what to do instead."""
-    if max(tokenizer_size, vocab_size) > FULL_DISTRIBUTION_MAX_VOCAB:
+    if vocab_size > FULL_DISTRIBUTION_MAX_VOCAB:
         raise ValueError(
             f"model {key!r}: scoring at temperature {temperature:g} on vLLM needs the full distribution of its "
             f"{vocab_size}-token vocabulary at every position (vLLM's prompt logprobs are at temperature 1); "

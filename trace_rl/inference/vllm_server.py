@@ -92,7 +92,7 @@ class VLLMServerRuntime:
     async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
         """Per-token logprobs (the first 0); see `VLLMEngineRuntime.score` for temperatures other than 1."""
         if temperature != 1.0:
-            check_full_distribution_scoring(self.key, len(self.tokenizer), len(self.tokenizer), temperature)
+            check_full_distribution_scoring(self.key, len(self.tokenizer), temperature)
         choice = await self._complete(
             self.base_urls[endpoint % len(self.base_urls)],
             prompt=list(token_ids), max_tokens=1, temperature=1.0,
