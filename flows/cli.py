@@ -139,9 +139,9 @@ def cmd_env_server(args) -> int:
     from trace_rl.remote.server import EnvServerError, Limits, serve
 
     limits = Limits(max_request_bytes=int(args.max_request_mb * 2**20), request_timeout_s=args.request_timeout_s,
-                    max_concurrent=args.max_concurrent)
+                    max_concurrent=args.max_concurrent, max_models=args.max_models, rate_per_s=args.rate_limit)
     try:
-        serve(args.modules, args.host, args.port, args.token_file, limits)
+        serve(args.allow, args.host, args.port, args.token_file, limits)
     except EnvServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -188,14 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=cmd_config_schema)
 
     server = sub.add_parser("env-server", help="serve the envs and algorithms of your modules (docs/remote.md)")
-    server.add_argument("--module", dest="modules", action="append", required=True, metavar="MODULE",
-                        help="module whose import registers envs/algorithms (repeatable)")
+    server.add_argument("--allow", action="append", required=True, metavar="MODULE[:CLASS]",
+                        help="what requests may run besides builtins: a module (all it registers) or one "
+                             "module:Class (repeatable); nothing else is ever imported")
     server.add_argument("--host", default="127.0.0.1", help="bind address; beyond loopback needs --token-file")
     server.add_argument("--port", type=int, default=8765)
-    server.add_argument("--token-file", help="file holding the bearer token every request must send")
+    server.add_argument("--token-file", help="file holding the bearer tokens (one per line) requests must send")
     server.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body (413 beyond)")
     server.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request time limit (504 beyond)")
     server.add_argument("--max-concurrent", type=int, default=8, help="requests run at once (503 beyond)")
+    server.add_argument("--max-models", type=int, default=4, help="model runtimes kept built (LRU evicted beyond)")
+    server.add_argument("--rate-limit", type=float, default=100.0,
+                        help="requests per second per token (429 beyond; bursts of 2 s worth; 0 = no limit)")
     server.set_defaults(func=cmd_env_server)
     return parser
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -108,12 +109,19 @@ class Session:
         self._trainer_step = step
 
 
-_SESSIONS: dict[tuple[str, str], Session] = {}
+# A `trace-rl serve` process runs every run started from the UI: it keeps the warm trainers of the
+# most recently used runs only. An evicted run that steps again rebuilds its session from storage.
+MAX_SESSIONS = 2
+_SESSIONS: OrderedDict[tuple[str, str], Session] = OrderedDict()
 
 
 def session_for(config: Config) -> Session:
     """The process's session for this run and config (one warm sampler and trainer per process)."""
     key = (RunStorage(config.storage, config.name, config.storage_options).url, config_hash(config))
-    if key not in _SESSIONS:
+    if key in _SESSIONS:
+        _SESSIONS.move_to_end(key)
+    else:
+        while len(_SESSIONS) >= MAX_SESSIONS:
+            _SESSIONS.popitem(last=False)
         _SESSIONS[key] = Session(config)
     return _SESSIONS[key]

@@ -1,4 +1,4 @@
-"""The test-only env module the env server imports (`--module tests.remote.algos`): one env and the
+"""The test-only env module the env server imports (`--allow tests.remote.algos`): one env and the
 algorithms the remote tests run on the server's side of the boundary."""
 
 from __future__ import annotations

@@ -19,16 +19,16 @@ TOKEN = "s3cret-test-token"
 TOKEN_ENV = "TRACE_RL_TEST_ENV_SERVER_TOKEN"
 
 
-def server_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "env-server", "--module", MODULE, *args]
+def server_command(*args: str, allow: str = MODULE) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", "env-server", "--allow", allow, *args]
 
 
 @contextmanager
-def env_server(*args: str, port: int | None = None):
-    """Start `trace-rl env-server` in its own process; yield its URL once it listens; stop it after."""
+def env_server(*args: str, port: int | None = None, allow: str = MODULE):
+    """Start `trace-rl env-server --allow <allow>` in its own process; yield its URL once it listens; stop it."""
     port = port or free_port()
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(server_command("--port", str(port), *args), cwd=REPO, stdout=log, stderr=log)
+    proc = subprocess.Popen(server_command("--port", str(port), *args, allow=allow), cwd=REPO, stdout=log, stderr=log)
     try:
         try:
             wait_for_port(port, 60, proc)

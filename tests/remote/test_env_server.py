@@ -110,7 +110,7 @@ def test_oversize_request_is_413(server, token):
 
 
 def test_unknown_algorithm_is_a_clear_refusal(server, token):
-    with pytest.raises(RemoteAlgorithmError, match="HTTP 422: unknown algorithm 'nope'"):
+    with pytest.raises(RemoteAlgorithmError, match="HTTP 403: algorithm 'nope' is not on this server's allow-list"):
         run(run_remote_algorithm(server, "nope", two_groups(), {}, FAST))
 
 
@@ -268,3 +268,82 @@ def test_only_algorithms_unknown_here_go_to_the_env_server():
     assert remote_server_for(env, AlgorithmConfig(id="grpo")) is None
     assert remote_server_for(env, AlgorithmConfig(id="tests.algorithms.plugins:LastTokenBonus")) is None
     assert remote_server_for(EnvConfig(id="reverse-text"), AlgorithmConfig(id="position_signal")) is None
+
+
+def post_run(url: str, body: str, token: str = TOKEN) -> httpx.Response:
+    return httpx.post(f"{url}/run_algorithms", content=body, headers=auth(token), timeout=30)
+
+
+def position_request(algorithm_id: str = "position_signal") -> str:
+    return RunRequest(algorithms=[AlgorithmConfig(id=algorithm_id)],
+                      traces=[reward_trace("t0", 1.0).to_dict()]).model_dump_json()
+
+
+def test_a_client_cannot_make_the_server_import_a_module(tmp_path, monkeypatch):
+    """`tests.remote.unlisted` writes a marker file when imported: naming it in a request must not import it."""
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("TRACE_RL_TEST_IMPORT_MARKER", str(marker))
+    with env_server(allow="tests.remote.algos:PositionSignal") as url:
+        assert get_health(url).json() == {"version": 1, "envs": [], "algorithms": ["position_signal"]}
+        refused = post_run(url, position_request("tests.remote.unlisted:Unlisted"))
+        other = post_run(url, position_request("slow_once"))  # registered by the module, but not allowed
+        by_path = post_run(url, position_request("tests.remote.algos:PositionSignal"))
+        allowed, builtin = post_run(url, position_request()), post_run(url, position_request("grpo"))
+    assert refused.status_code == 403 and not marker.exists()
+    assert refused.json()["error"] == ("algorithm 'tests.remote.unlisted:Unlisted' is not on this server's allow-list "
+                                       "(position_signal); start the server with --allow module:Class for it")
+    assert other.status_code == 403 and "'slow_once' is not on this server's allow-list" in other.json()["error"]
+    assert by_path.status_code == allowed.status_code == builtin.status_code == 200
+    channels = [reply.json()["results"][0]["channels"] for reply in (allowed, by_path, builtin)]
+    assert channels[0] == channels[1] != channels[2] and channels[0]
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ("tests.remote.algos:Nope", "--allow tests.remote.algos:Nope: 'tests.remote.algos' has no Algorithm or "
+                                "Environment class 'Nope'"),
+    ("tests.remote.no_such_module", "--allow tests.remote.no_such_module: cannot import module"),
+    ("json", "--allow json: importing it registered no algorithm or env"),
+])
+def test_a_bad_allow_entry_stops_the_server_at_start(entry, problem):
+    done = subprocess.run(server_command("--port", str(free_port()), allow=entry), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and problem in done.stderr
+
+
+def test_requests_beyond_the_rate_limit_are_429_per_token(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\nsecond-client-token\n")
+    with env_server("--token-file", str(tokens), "--rate-limit", "0.5") as url:  # a burst of 1, then one per 2 s
+        first, second = post_run(url, position_request()), post_run(url, position_request())
+        other_client = post_run(url, position_request(), token="second-client-token")
+        time.sleep(2.1)
+        later = post_run(url, position_request())
+    assert first.status_code == 200 and other_client.status_code == 200 and later.status_code == 200
+    assert second.status_code == 429 and second.headers["Retry-After"] == "2"
+    assert second.json()["error"] == ("rate limit: more than 0.5 requests per second with this token (--rate-limit); "
+                                      "retry later")
+
+
+def test_deeply_nested_json_is_400_and_never_parsed_deep(server, token):
+    deep = 20_000  # 40 kB: under the shared server's 0.05 MiB limit
+    body = ('{"version": 1, "algorithms": [{"id": "position_signal"}], "traces": [{"id": ' + "[" * deep
+            + "]" * deep + "}]}")
+    reply = post_run(server, body)
+    assert reply.status_code == 400
+    assert reply.json()["error"].startswith("the request body is not JSON the server reads: body: Invalid JSON: "
+                                            "recursion limit exceeded")
+    assert post_run(server, "{not json").status_code == 400
+    assert post_run(server, '{"version": 1, "algorithms": [], "traces": [7]}').status_code == 422
+
+
+def test_the_runtime_cache_keeps_the_most_recently_used():
+    from trace_rl.remote.server import RuntimeCache
+
+    cache = RuntimeCache(2)
+    one, two, three = (RuntimeConfig(key="reference", name=f"tiny:{seed}") for seed in (1, 2, 3))
+    first = cache.get(one)
+    cache.get(two)
+    assert cache.get(one) is first  # used again: now the most recent
+    cache.get(three)  # evicts two, the least recently used
+    assert [RuntimeConfig.model_validate_json(k).name for k in cache.built] == ["tiny:1", "tiny:3"]
+    assert cache.get(one) is first and cache.get(two) is not None and len(cache.built) == 2

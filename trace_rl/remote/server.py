@@ -1,10 +1,13 @@
 """The env server: runs env-owned algorithms for a trainer in another process (`trace-rl env-server`).
 
-It imports the given modules (their `register` / `register_env` calls add algorithms and envs),
-then answers `GET /health` and `POST /run_algorithms` (see trace_rl.remote.wire and
-docs/remote.md). Model runtimes are rebuilt from the request's plain-data configs on first
-use and cached for the server's lifetime. Every limit it enforces answers with its own status
-and a message naming the limit: 401 (token), 503 (busy), 413 (size), 504 (timeout).
+It imports what its allow-list (`--allow module` or `--allow module:Class`) names, at start and
+nothing else: a request can only run the builtins and the algorithms the list allows, never make
+the server import a module. It answers `GET /health` and `POST /run_algorithms` (see
+trace_rl.remote.wire and docs/remote.md). Model runtimes are rebuilt from the request's
+plain-data configs on first use and kept in a bounded cache (least recently used evicted).
+Every limit it enforces answers with its own status and a message naming the limit: 400
+(malformed or too deeply nested JSON), 401 (token), 403 (not allowed), 413 (size), 429 (rate),
+503 (busy), 504 (timeout).
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ import ipaddress
 import logging
 import os
 import sys
+import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
 from pydantic import ValidationError
 
-from trace_rl.algorithms.base import REGISTRY, AlgorithmError
+from trace_rl.algorithms.base import REGISTRY, Algorithm, AlgorithmError
 from trace_rl.algorithms.runner import load_algorithms, run_algorithms
 from trace_rl.models import ModelRuntime, RuntimeConfig, build_runtime
 from trace_rl.remote.wire import (
@@ -43,6 +48,22 @@ class Limits:
     max_request_bytes: int = 64 * 2**20
     request_timeout_s: float = 300.0
     max_concurrent: int = 8
+    max_models: int = 4
+    rate_per_s: float = 100.0  # per token (per client address without one); 0 = unlimited
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What the server may run: the builtins plus what `--allow` named, by algorithm id."""
+
+    algorithms: frozenset[str]
+    health: Health = field(compare=False)
+
+    def check(self, algorithm_id: str) -> None:
+        if algorithm_id not in self.algorithms:
+            raise Refused(403, f"algorithm {algorithm_id!r} is not on this server's allow-list "
+                               f"({', '.join(self.health.algorithms) or 'builtins only'}); "
+                               f"start the server with --allow module:Class for it")
 
 
 class Refused(Exception):
@@ -52,19 +73,56 @@ class Refused(Exception):
         self.headers = headers or {}
 
 
-class Runtimes(Mapping[str, ModelRuntime]):
-    """The request's model runtimes by key, each built on first access and shared across requests."""
+class RuntimeCache:
+    """Built runtimes by their config, at most `size` of them: building one more evicts the least recently
+    used (a client cycling through model configs cannot make the server hold them all)."""
 
-    def __init__(self, configs: Mapping[str, RuntimeConfig], cache: dict[str, ModelRuntime]):
+    def __init__(self, size: int):
+        self.size = size
+        self.built: OrderedDict[str, ModelRuntime] = OrderedDict()
+
+    def get(self, config: RuntimeConfig) -> ModelRuntime:
+        identity = config.model_dump_json()
+        if identity in self.built:
+            self.built.move_to_end(identity)
+        else:
+            while len(self.built) >= self.size:
+                evicted, _ = self.built.popitem(last=False)
+                log.info("evicted model runtime %s (--max-models %d)", evicted, self.size)
+            self.built[identity] = build_runtime(config)
+        return self.built[identity]
+
+
+class RateLimiter:
+    """A token bucket per client key: `rate` requests per second on average, bursts of up to 2 s worth."""
+
+    def __init__(self, rate: float, max_clients: int = 1024):
+        self.rate, self.burst, self.max_clients = rate, max(1.0, 2 * rate), max_clients
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, last refill)
+
+    def wait_s(self, key: str) -> float:
+        """0 if a request by `key` may go now (and count it), else the seconds until one may."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        tokens, last = self.buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        self.buckets[key] = (tokens - 1 if wait == 0 else tokens, now)
+        if len(self.buckets) > self.max_clients:
+            self.buckets.popitem(last=False)
+        return wait
+
+
+class Runtimes(Mapping[str, ModelRuntime]):
+    """The request's model runtimes by key, each built on first access from the server's cache."""
+
+    def __init__(self, configs: Mapping[str, RuntimeConfig], cache: RuntimeCache):
         self.configs = configs
         self.cache = cache
 
     def __getitem__(self, key: str) -> ModelRuntime:
-        config = self.configs[key]
-        identity = config.model_dump_json()
-        if identity not in self.cache:
-            self.cache[identity] = build_runtime(config)
-        return self.cache[identity]
+        return self.cache.get(self.configs[key])
 
     def __contains__(self, key: object) -> bool:
         return key in self.configs
@@ -76,38 +134,80 @@ class Runtimes(Mapping[str, ModelRuntime]):
         return len(self.configs)
 
 
-def import_modules(modules: list[str]) -> Health:
-    """Import the modules (running their registrations) and report the envs and algorithms they added."""
+def import_allowed(entries: list[str]) -> Allowed:
+    """Import what each `--allow` entry names and return what requests may run.
+
+    `module` allows every algorithm and env the module registers when imported; `module:Class` allows that
+    one class (an Algorithm, by its registered id and by the path; or an env, listed by `/health`).
+    """
     import trace_rl.algorithms.builtins  # noqa: F401
     import trace_rl.envs.builtins  # noqa: F401
-    from trace_rl.envs.base import ENVIRONMENTS
+    from trace_rl.envs.base import ENVIRONMENTS, Environment
 
-    envs_before, algorithms_before = set(ENVIRONMENTS), set(REGISTRY)
+    builtin_algorithms, builtin_envs = dict(REGISTRY), dict(ENVIRONMENTS)
     if os.getcwd() not in sys.path:  # like `python -m`: modules next to where the server starts are importable
         sys.path.insert(0, os.getcwd())
-    for name in modules:
+    classes: set[type] = set()
+    paths: set[str] = set()
+    for entry in entries:
+        module_name, _, attr = entry.partition(":")
+        before = set(REGISTRY.values()) | set(ENVIRONMENTS.values())
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise EnvServerError(f"--module {name}: cannot import it ({exc})") from exc
-    return Health(envs=sorted(set(ENVIRONMENTS) - envs_before), algorithms=sorted(set(REGISTRY) - algorithms_before))
+            raise EnvServerError(f"--allow {entry}: cannot import module {module_name!r} ({exc})") from exc
+        if not attr:
+            added = (set(REGISTRY.values()) | set(ENVIRONMENTS.values())) - before
+            if not added:
+                raise EnvServerError(f"--allow {entry}: importing it registered no algorithm or env; allow its "
+                                     "classes one by one with --allow module:Class")
+            classes |= added
+            continue
+        cls = getattr(module, attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, (Algorithm, Environment))):
+            raise EnvServerError(f"--allow {entry}: {module_name!r} has no Algorithm or Environment class "
+                                 f"{attr!r}; name a class defined there, or allow the whole module")
+        classes.add(cls)
+        if issubclass(cls, Algorithm):
+            paths.add(entry)
+    registered = {id_ for id_, cls in REGISTRY.items() if cls in classes and id_ not in builtin_algorithms}
+    unregistered = {path for path in paths if resolve(path) not in REGISTRY.values()}  # listed by their path
+    envs = {id_ for id_, cls in ENVIRONMENTS.items() if cls in classes and id_ not in builtin_envs}
+    return Allowed(frozenset(registered | paths | set(builtin_algorithms)),
+                   Health(envs=sorted(envs), algorithms=sorted(registered | unregistered)))
 
 
-def create_app(health: Health, limits: Limits = Limits(), token: str | None = None) -> FastAPI:
+def resolve(path: str) -> type:
+    module_name, _, attr = path.partition(":")
+    return getattr(sys.modules[module_name], attr)
+
+
+def create_app(allowed: Allowed, limits: Limits = Limits(), tokens: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title="trace-rl env server", docs_url=None, redoc_url=None, openapi_url=None)
-    runtimes: dict[str, ModelRuntime] = {}
+    runtimes = RuntimeCache(limits.max_models)
+    rates = RateLimiter(limits.rate_per_s)
     in_flight = 0
 
     def refuse(exc: Refused) -> Response:
         return Response(ErrorReply(error=str(exc)).model_dump_json(), exc.status, exc.headers, "application/json")
 
-    def authorize(request: Request) -> None:
-        if token is None:
-            return
+    def authorize(request: Request) -> str:
+        """The client's key for rate limiting: its token, or its address where the server has none."""
+        if not tokens:
+            return request.client.host if request.client else "unknown"
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise Refused(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the "
+        # compare with every token, so the time taken does not tell which one nearly matched
+        matches = [hmac.compare_digest(given.strip().encode(), token.encode()) for token in tokens]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise Refused(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' with a "
                                "token from the server's --token-file", {"WWW-Authenticate": "Bearer"})
+        return given.strip()
+
+    def limit_rate(client: str) -> None:
+        wait = rates.wait_s(client)
+        if wait > 0:
+            raise Refused(429, f"rate limit: more than {limits.rate_per_s:g} requests per second with this token "
+                               "(--rate-limit); retry later", {"Retry-After": str(max(1, round(wait)))})
 
     async def read_body(request: Request) -> bytes:
         too_large = Refused(413, f"request body exceeds the server's limit of {limits.max_request_bytes} bytes "
@@ -128,13 +228,13 @@ def create_app(health: Health, limits: Limits = Limits(), token: str | None = No
             authorize(request)
         except Refused as exc:
             return refuse(exc)
-        return Response(health.model_dump_json(), media_type="application/json")
+        return Response(allowed.health.model_dump_json(), media_type="application/json")
 
     @app.post("/run_algorithms")
     async def post_run_algorithms(request: Request) -> Response:
         nonlocal in_flight
         try:
-            authorize(request)
+            limit_rate(authorize(request))
             if in_flight >= limits.max_concurrent:
                 raise Refused(503, f"server busy: {in_flight} requests in flight, the limit is "
                                    f"{limits.max_concurrent} (--max-concurrent); retry later", {"Retry-After": "1"})
@@ -154,10 +254,16 @@ def create_app(health: Health, limits: Limits = Limits(), token: str | None = No
         try:
             request = RunRequest.model_validate_json(await read_body(http_request))
         except ValidationError as exc:
+            if any(error["type"] == "json_invalid" for error in exc.errors()):
+                # pydantic's parser stops at a fixed nesting depth (~200), before building deeper levels
+                raise Refused(400, f"the request body is not JSON the server reads: {describe(exc)}; send "
+                                   "the run_algorithms body as trace_rl.remote.wire.RunRequest writes it") from None
             raise Refused(422, f"malformed run_algorithms request: {describe(exc)}") from None
         if request.version != PROTOCOL_VERSION:
             raise Refused(400, f"protocol version {request.version} is not supported; "
                                f"this server speaks version {PROTOCOL_VERSION}")
+        for config in request.algorithms:
+            allowed.check(config.id)
         try:
             traces = [Trace.from_dict(data) for data in request.traces]
         except (TraceError, TypeError, ValueError) as exc:
@@ -192,28 +298,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_token(token_file: str | None) -> str | None:
+def read_tokens(token_file: str | None) -> frozenset[str]:
+    """The bearer tokens in the file, one per line (one per client, each rate-limited on its own)."""
     if token_file is None:
-        return None
+        return frozenset()
     try:
-        token = Path(token_file).read_text().strip()
+        tokens = frozenset(line.strip() for line in Path(token_file).read_text().splitlines() if line.strip())
     except OSError as exc:
         raise EnvServerError(f"--token-file {token_file}: cannot read it ({exc})") from None
-    if not token:
+    if not tokens:
         raise EnvServerError(f"--token-file {token_file} is empty; put the bearer token in it")
-    return token
+    return tokens
 
 
-def serve(modules: list[str], host: str = "127.0.0.1", port: int = 8765, token_file: str | None = None,
+def serve(allow: list[str], host: str = "127.0.0.1", port: int = 8765, token_file: str | None = None,
           limits: Limits = Limits()) -> None:
-    """Check the bind and token, import the modules, then serve until interrupted."""
+    """Check the bind and tokens, import what `allow` names, then serve until interrupted."""
     import uvicorn
 
-    token = read_token(token_file)
-    if token is None and not is_loopback(host):
+    tokens = read_tokens(token_file)
+    if not tokens and not is_loopback(host):
         raise EnvServerError(f"refusing to bind {host!r} without a token: anyone who can reach it could run "
                              "algorithms; pass --token-file FILE, or bind 127.0.0.1")
-    health = import_modules(modules)
+    allowed = import_allowed(allow)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    log.info("serving envs %s and algorithms %s", health.envs, health.algorithms)
-    uvicorn.run(create_app(health, limits, token), host=host, port=port, log_level="info")
+    log.info("serving envs %s and algorithms %s", allowed.health.envs, allowed.health.algorithms)
+    uvicorn.run(create_app(allowed, limits, tokens), host=host, port=port, log_level="info")
