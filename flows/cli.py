@@ -14,7 +14,7 @@ import sys
 
 from trace_rl import quiet, reaper
 from trace_rl.config import Config, ConfigError, config_to_toml
-from trace_rl.errors import RefusedError
+from trace_rl.errors import FatalError, RefusedError
 from trace_rl.inference.vllm_logging import quiet_imports
 from trace_rl.loading import load_config
 
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RefusedError) as exc:  # checked before any flow run starts: the message is the news
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except FatalError as exc:  # a step failed in a way a retry cannot fix (a dead engine, a full disk)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -63,6 +63,23 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """The session's one real Prefect server process, for every test that runs flows."""
+    from trace_rl import prefect_server
+
+    os.environ["TRACE_RL_PREFECT_PORT"] = str(free_port())
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-client"))
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    record = prefect_server.start()
+    os.environ["PREFECT_API_URL"] = record["api_url"]
+    yield record["api_url"]
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=5)  # send the session's last logs while the server is still up
+    prefect_server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from trace_rl.tiny import build_tiny
 

@@ -19,6 +19,11 @@ class EngineDeadError(FatalError):
     """An in-process vLLM engine died or stopped answering; the message names the engine and its error."""
 
 
+class StorageFullError(FatalError):
+    """The run's storage has no room (ENOSPC, a quota, a file-size limit): the write failed and was not
+    marked complete; the message names what was being written and what to do."""
+
+
 class RefusedError(ValueError):
     """A command that must not start as asked: what is in the way and the flag or step that resolves it
     (`--resume`, `--overwrite`, another `--out`). The CLI prints the message alone and exits with 2."""

@@ -15,20 +15,23 @@ Directories get a `STABLE` marker written last; readers ignore unmarked ones.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import posixpath
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec
 
 from trace_rl import credentials
-from trace_rl.errors import RefusedError
+from trace_rl.errors import RefusedError, StorageFullError
 
 STABLE = "STABLE"
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 RUN_MARKERS = ("config.toml", "replay.json")  # a directory holding one of these is a run (or a replay's --out)
 
 
@@ -83,18 +86,32 @@ class RunStorage:
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
 
+    @contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """Turn a full disk, quota or file-size limit met while writing `what` into a StorageFullError."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise
+            raise StorageFullError(
+                f"no room to write {self.url_of_path(what)}: {exc.strerror}. It is not marked complete and the "
+                f"run's last STABLE checkpoint is untouched: free space (or set `storage` to a larger place), "
+                f"then `trace-rl train --resume`") from exc
+
     def write_atomic(self, path: str, write: Callable[[io.IOBase], None] | bytes) -> None:
         """Write a file so that readers see either nothing or all of it."""
         parent = path.rsplit("/", 1)[0]
-        self.fs.makedirs(parent, exist_ok=True)
         tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}"
         try:
-            with self.fs.open(tmp, "wb") as f:
-                if isinstance(write, bytes):
-                    f.write(write)
-                else:
-                    write(f)
-            self.fs.mv(tmp, path)
+            with self.writing(path):
+                self.fs.makedirs(parent, exist_ok=True)
+                with self.fs.open(tmp, "wb") as f:
+                    if isinstance(write, bytes):
+                        f.write(write)
+                    else:
+                        write(f)
+                self.fs.mv(tmp, path)
         finally:
             if self.fs.exists(tmp):
                 self.fs.rm(tmp)
@@ -137,24 +154,26 @@ class RunStorage:
             self.fs.rm(path, recursive=True)
 
     def upload_dir(self, local_dir: str, directory: str) -> None:
-        """Copy a local directory's files into `directory`, then mark it STABLE."""
-        import os
-
+        """Copy a local directory's files into `directory`, then mark it STABLE. Out of room, the partial
+        copy is removed (it would hold the space a retry needs) before StorageFullError is raised."""
         self.remove(directory)
-        self.fs.makedirs(directory, exist_ok=True)
-        for root, _, files in os.walk(local_dir):
-            for filename in sorted(files):
-                local = os.path.join(root, filename)
-                rel = os.path.relpath(local, local_dir).replace(os.sep, "/")
-                target = f"{directory}/{rel}"
-                self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-                self.fs.put_file(local, target)
+        try:
+            with self.writing(directory):
+                self.fs.makedirs(directory, exist_ok=True)
+                for root, _, files in os.walk(local_dir):
+                    for filename in sorted(files):
+                        local = os.path.join(root, filename)
+                        rel = os.path.relpath(local, local_dir).replace(os.sep, "/")
+                        target = f"{directory}/{rel}"
+                        self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                        self.fs.put_file(local, target)
+        except StorageFullError:
+            self.remove(directory)
+            raise
         self.mark_stable(directory)
 
     def download_dir(self, directory: str, local_dir: str) -> None:
         """Copy a STABLE directory's files (not the marker) to a local directory."""
-        import os
-
         if not self.is_stable(directory):
             raise FileNotFoundError(f"{directory} is not complete (no {STABLE} marker)")
         os.makedirs(local_dir, exist_ok=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import free_port
-from tests.flows.conftest import prefect_api, small_config  # noqa: F401  (the session's Prefect server)
+from tests.flows.conftest import small_config
 from tests.flows.test_pipeline import step_runs
 from tests.remote.conftest import TOKEN_ENV, env_server
 from trace_rl.loading import validate_config
