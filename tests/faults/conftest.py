@@ -4,8 +4,15 @@ an uninterrupted run of the same config."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import tomli_w
 
@@ -34,3 +41,54 @@ def uninterrupted(prefect_api, tmp_path_factory) -> bytes:
     directory = tmp_path_factory.mktemp("uninterrupted")
     finish(start(write_config(directory, "uninterrupted", str(directory / "runs"))))
     return model_bytes(RunStorage(str(directory / "runs"), "uninterrupted"))
+
+
+class DurableMoto:
+    """moto's S3 server on loopback that can be SIGKILLed and restarted with its objects.
+
+    moto keeps objects in memory; its recorder journals every request to a file as it arrives
+    (MOTO_ENABLE_RECORDING), and a restarted server replays that journal: the state at the kill, the way a
+    real S3 endpoint that crashed keeps what it had accepted."""
+
+    def __init__(self, directory: Path):
+        from tests.conftest import free_port
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.journal = directory / "moto-journal.jsonl"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from tests.conftest import wait_for_port
+
+        env = {**os.environ, "MOTO_ENABLE_RECORDING": "true", "MOTO_RECORDER_FILEPATH": str(self.journal)}
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, 30, self.process)
+        if self.journal.exists():
+            httpx.post(f"{self.endpoint}/moto-api/recorder/replay-recording", timeout=120).raise_for_status()
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def requests(self) -> list[str]:
+        """'METHOD path' of every request the server has received, in order."""
+        if not self.journal.exists():
+            return []
+        lines = self.journal.read_text().splitlines()
+        entries = [json.loads(line) for line in lines[:-1]]  # the last line may be half-written
+        return [f"{entry['method']} {urlsplit(entry['url']).path}" for entry in entries]
+
+
+@pytest.fixture
+def durable_s3(tmp_path):
+    server = DurableMoto(tmp_path)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    server.start()
+    httpx.put(f"{server.endpoint}/faults", timeout=10).raise_for_status()  # the bucket
+    yield server
+    if server.process.poll() is None:
+        server.process.terminate()
+        server.process.wait(10)
