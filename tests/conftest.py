@@ -79,6 +79,22 @@ def prefect_api(tmp_path_factory):
     prefect_server.stop()
 
 
+def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
+    """A real OpenAI-compatible vLLM server on 127.0.0.1:`port` with trace-rl's weight-reload extension, in its
+    own process group (killpg stops its engine too); returns once it listens."""
+    from trace_rl.inference.vllm_worker import EXTENSION
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+         "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    wait_for_port(port, 300, proc)
+    return proc
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from trace_rl.tiny import build_tiny

@@ -22,9 +22,9 @@ from tests.flows.test_crash_resume import finish, start
 STEPS = 3
 
 
-def write_config(directory: Path, name: str, storage: str, **overrides) -> Path:
+def write_config(directory: Path, name: str, storage: str, steps: int = STEPS, **overrides) -> Path:
     path = directory / f"{name}.toml"
-    path.write_text(tomli_w.dumps(small_config(storage, name, steps=STEPS, **overrides)))
+    path.write_text(tomli_w.dumps(small_config(storage, name, steps=steps, **overrides)))
     return path
 
 

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import free_port, start_vllm_server
 from tests.inference.conftest import UPDATED_STEP, trainer_logprobs
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
-from trace_rl.inference.vllm_worker import EXTENSION
 from trace_rl.models import RuntimeConfig, build_runtime
 from trace_rl.storage import RunStorage
 
@@ -24,21 +20,13 @@ TOLERANCE = 2e-4
 @pytest.fixture(scope="module")
 def server_url(tiny_model_path, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path,
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-         "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_port(port, 300, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    with open(tmp_path_factory.mktemp("server") / "server.log", "wb") as log:
+        proc = start_vllm_server(tiny_model_path, port, log)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 @pytest.fixture(scope="module")
