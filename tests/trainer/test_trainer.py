@@ -235,7 +235,8 @@ def test_a_non_finite_loss_stops_the_step_before_anything_changes(make_config):
     write_batch(store, 0, samples)
     trainer = Trainer(config, store)
     before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
-    with pytest.raises(NonFiniteError, match=r"step 0: the loss of micro-batch \d+ \(of \d+ on rank 0\) is nan"):
+    with pytest.raises(NonFiniteError, match=r"step 0: the 'rl' channel's loss of micro-batch \d+ \(of \d+ on rank 0\) "
+                                             "is nan"):
         train_one_step(config, store, 0, trainer)
     assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
     assert not trainer.optimizer.state  # AdamW never stepped
@@ -243,8 +244,10 @@ def test_a_non_finite_loss_stops_the_step_before_anything_changes(make_config):
 
 
 def test_a_non_finite_gradient_norm_is_named():
-    check_finite(3, [0.5, 1.0], 2.0, 0)
+    finite = [{"rl": 0.5, "ce": 0.0}, {"rl": 1.0, "ce": 2.0}]
+    check_finite(3, finite, 2.0, 0)
     with pytest.raises(NonFiniteError, match="step 3: the gradient norm is inf although the losses of all 2"):
-        check_finite(3, [0.5, 1.0], float("inf"), 0)
-    with pytest.raises(NonFiniteError, match=r"step 3: the loss of micro-batch 1 \(of 2 on rank 1\) is inf"):
-        check_finite(3, [0.5, float("inf")], float("nan"), 1)
+        check_finite(3, finite, float("inf"), 0)
+    with pytest.raises(NonFiniteError, match=r"step 3: the 'ce' channel's loss of micro-batch 1 \(of 2 on rank 1\) is "
+                                             "inf"):
+        check_finite(3, [finite[0], {"rl": 1.0, "ce": float("inf")}], float("nan"), 1)

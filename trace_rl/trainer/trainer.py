@@ -190,14 +190,16 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is NaN or infinite: the step stops before the optimizer changes anything."""
 
 
-def check_finite(step: int, losses: list[float], grad_norm: float, rank: int) -> None:
-    """Raise naming the step and the first micro-batch (of this rank) whose loss is not finite, else a bad norm."""
-    for index, value in enumerate(losses):
-        if not math.isfinite(value):
-            raise NonFiniteError(
-                f"step {step}: the loss of micro-batch {index} (of {len(losses)} on rank {rank}) is {value}; "
-                "nothing was saved"
-            )
+def check_finite(step: int, losses: list[dict[str, float]], grad_norm: float, rank: int) -> None:
+    """Raise naming the step, the first micro-batch (of this rank) and the channel (loss name) whose loss is not
+    finite, else a bad gradient norm. `losses` holds each micro-batch's loss per channel."""
+    for index, per_channel in enumerate(losses):
+        for channel, value in per_channel.items():
+            if not math.isfinite(value):
+                raise NonFiniteError(
+                    f"step {step}: the {channel!r} channel's loss of micro-batch {index} (of {len(losses)} on rank "
+                    f"{rank}) is {value}; nothing was saved"
+                )
     if not math.isfinite(grad_norm):
         raise NonFiniteError(
             f"step {step}: the gradient norm is {grad_norm} although the losses of all {len(losses)} micro-batches "
@@ -306,7 +308,7 @@ class Trainer:
                 )
                 # DDP and FSDP average gradients over ranks; the scales already sum over ranks
                 (loss * self.world_size).backward()
-            losses.append(loss.detach())
+            losses.append(torch.stack([metrics[f"loss/{name}"] for name in LOSS_NAMES]))
             loss_mask = on_device["rl_mask"] | on_device["ce_mask"]
             metrics["entropy"] = (entropy * loss_mask).sum() / max(loss_tokens, 1.0)
             for name, value in metrics.items():
@@ -317,7 +319,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        check_finite(step, torch.stack(losses).tolist(), float(grad_norm), self.rank)
+        check_finite(step, [dict(zip(LOSS_NAMES, values)) for values in torch.stack(losses).tolist()],
+                     float(grad_norm), self.rank)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
