@@ -51,14 +51,15 @@ def rounded(row: dict) -> dict:
 
 
 def eval_table(config: Config, rows: list[dict]) -> Table:
-    """The eval rows for the terminal, one line per env."""
+    """The eval rows for the terminal: a line per metric, a column per env (narrow enough for a log file)."""
     step = rows[0]["step"] if rows else 0
     table = Table(title=f"{config.name}: eval of step {step}")
-    columns = [key for key in rows[0] if key not in ("step",)] if rows else []
-    for column in columns:
-        table.add_column(column, justify="left" if column == "env" else "right")
+    table.add_column("metric")
     for row in rows:
-        table.add_row(*[f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns])
+        table.add_column(row["env"], justify="right")
+    for metric in [key for key in rows[0] if key not in ("env", "step")] if rows else []:
+        table.add_row(metric, *[f"{row[metric]:.3f}" if isinstance(row[metric], float) else str(row[metric])
+                                for row in rows])
     return table
 
 
