@@ -115,12 +115,12 @@ class WandbTracker(Tracker):
         import wandb
 
         settings = config.logging.wandb
-        self.run_id = run_id or wandb.util.generate_id()
         self.run = wandb.init(
-            project=settings.project, entity=settings.entity, dir=settings.dir, mode=settings.mode, id=self.run_id,
-            name=config.name, resume="allow", reinit="create_new",
+            project=settings.project, entity=settings.entity, dir=settings.dir, mode=settings.mode, id=run_id,
+            name=config.name, resume="allow" if run_id else None, reinit="create_new",
             config=public_config(config, storage) if run_id is None else None,
         )
+        self.run_id = self.run.id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
