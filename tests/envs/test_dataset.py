@@ -33,7 +33,7 @@ def prompts(env, examples) -> list[str]:
 
 def rollout(env, example, reply: str):
     runtime = ScriptedRuntime(build_tokenizer(), [reply])
-    return asyncio.run(env.rollout(example, Sampler(runtime, SAMPLING, seed=0)))[0], runtime
+    return asyncio.run(env.rollout(example, Sampler(runtime, SAMPLING, seed=0)))[0]
 
 
 def test_jsonl_rows_prompt_answer_and_system_prompt(tmp_path):
@@ -41,11 +41,11 @@ def test_jsonl_rows_prompt_answer_and_system_prompt(tmp_path):
                                "system_prompt": "Be brief.", "reward": "numeric"})
     [example] = env.examples_for_step(0, 2, 0, 1)
     assert example.data["row"] == 1 and example.id == "train-2-e0"
-    trace, runtime = rollout(env, example, "It is 4")
+    trace = rollout(env, example, "It is 4")
     assert [m.role for m in trace.messages] == ["system", "user", "assistant"]
     assert trace.messages[0].content == "Be brief." and trace.messages[1].content == "What is 2 + 2?"
     assert trace.reward == 1.0 and trace.info["answer"] == "4" and trace.rewards == {"numeric": 1.0}
-    assert rollout(env, example, "It is 5")[0].reward == 0.0
+    assert rollout(env, example, "It is 5").reward == 0.0
 
 
 def test_parquet_csv_and_a_fsspec_url_give_the_same_rows(tmp_path):
@@ -75,7 +75,7 @@ def test_chat_rows_from_a_messages_column(tmp_path):
                           {"role": "user", "content": "2 + 3?"}], "answer": "5"}]
     env = load_env("dataset", {"path": write_jsonl(tmp_path / "chat.jsonl", rows), "messages_column": "messages",
                                "system_prompt": "ignored: the row has its own"})
-    trace, runtime = rollout(env, env.examples_for_step(0, 1, 0, 1)[0], "5")
+    trace = rollout(env, env.examples_for_step(0, 1, 0, 1)[0], "5")
     assert [(m.role, m.content) for m in trace.messages] == [
         ("system", "Answer with a number."), ("user", "2 + 3?"), ("assistant", "5")]
     assert trace.reward == 1.0
@@ -135,7 +135,7 @@ def test_math_reward_in_a_rollout_runs_off_the_main_thread(tmp_path):
                                "reward": "math"})
     example = env.examples_for_step(0, 1, 0, 1)[0]
     with ThreadPoolExecutor(1) as pool:
-        trace, _ = pool.submit(rollout, env, example, "It is \\boxed{\\frac{2}{4}}").result()
+        trace = pool.submit(rollout, env, example, "It is \\boxed{\\frac{2}{4}}").result()
     assert trace.reward == 1.0 and trace.rewards == {"math": 1.0}
 
 

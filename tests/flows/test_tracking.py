@@ -29,11 +29,12 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     mlflow = Path(sys.executable).with_name("mlflow")
-    proc = subprocess.Popen(
-        [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True,
-    )
+    with open(root / "server.log", "w") as log:  # the server writes to its own copy of the descriptor
+        proc = subprocess.Popen(
+            [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "artifacts")],
+            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + MLFLOW_START_S
