@@ -197,7 +197,9 @@ class EvalConfig(Strict):
 class MlflowConfig(Strict):
     """`[logging.mlflow]`."""
 
-    tracking_uri: str = Field("./mlruns", description="a local directory or an MLflow tracking server URL")
+    tracking_uri: str = Field("sqlite:///mlflow.db", description="an MLflow tracking server URL or a local database "
+                              "(sqlite:///<file>); MLflow 3 refuses a ./mlruns directory unless "
+                              "MLFLOW_ALLOW_FILE_STORE=true")
     experiment: str | None = Field(None, description="experiment name (default: the run name)")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -152,6 +153,11 @@ def check_trackers(config: Config) -> list[str]:
             known = ", ".join([*BUILTIN, *sorted(plugins)])
             problems.append(f"{where}: unknown tracker {backend!r}; use one of: {known} (or register an entry point "
                             f"in the group {ENTRY_POINT_GROUP!r})")
+    uri = config.logging.mlflow.tracking_uri
+    file_store = "://" not in uri or uri.startswith("file:")
+    if "mlflow" in config.logging.backends and file_store and os.environ.get("MLFLOW_ALLOW_FILE_STORE") != "true":
+        problems.append(f"logging.mlflow.tracking_uri = {uri!r}: MLflow 3 no longer writes a directory store; use a "
+                        "database such as 'sqlite:///mlflow.db' or a server URL (or set MLFLOW_ALLOW_FILE_STORE=true)")
     if len(set(config.logging.backends)) < len(config.logging.backends):
         problems.append("logging.backends: a backend is listed twice; list each once")
     return problems

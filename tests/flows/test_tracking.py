@@ -86,6 +86,25 @@ def test_mlflow_server_gets_a_2_step_run_and_resume_continues_the_same_run(prefe
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/reverse-text/pass_at_1")] == [2, 3]
 
 
+def test_mlflow_defaults_to_a_local_database_and_refuses_a_directory_store(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from trace_rl.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    config = validate_config(small_config(str(tmp_path / "runs"), "local", logging={"backends": ["mlflow"]}))
+    storage = RunStorage(config.storage, config.name)
+    with Trackers(config, storage) as trackers:
+        trackers.log_metrics({"reward_mean": 0.5, "eval/reverse-text/pass@2": 1.0}, step=1)
+    client = MlflowClient(tracking_uri="sqlite:///mlflow.db")  # in the working directory
+    [run] = client.search_runs([client.get_experiment_by_name("local").experiment_id])
+    assert run.data.metrics == {"reward_mean": 0.5, "eval/reverse-text/pass_at_2": 1.0}
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    directory = {"backends": ["mlflow"], "mlflow": {"tracking_uri": "./mlruns"}}
+    with pytest.raises(ConfigError, match="tracking_uri = './mlruns': MLflow 3 no longer writes a directory store"):
+        validate_config(small_config(str(tmp_path / "runs"), "dir", logging=directory))
+
+
 def test_wandb_offline_run_and_resume_with_the_same_id(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     logging = {"backends": ["wandb"], "wandb": {"mode": "offline", "dir": str(tmp_path), "project": "p"}}
