@@ -79,6 +79,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from trace_rl.evaluation import check_eval
+    from trace_rl.replay import source_config
+
+    config = source_config(args.run, overrides=args.overrides, flag="RUN")
+    check_eval(config, args.step)
+    _prefect(config.prefect.api_url)
+    reaper.start()
+    quiet.progress_bars()
+    from flows.eval import run_eval
+
+    try:
+        run_eval(config, args.step)
+    finally:
+        quiet.stop_engines()
+    return 0
+
+
 def cmd_replay(args) -> int:
     from trace_rl.replay import check_replay, parse_algorithms
 
@@ -179,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--model", help="with --train: start from this model (default: the run's base model)")
     _add_verbose(replay)
     replay.set_defaults(func=cmd_replay)
+
+    evaluate = sub.add_parser("eval", help="evaluate a run's weights of one step on its [eval] envs (docs/eval.md)")
+    evaluate.add_argument("run", help="the run: <storage>/<name>")
+    evaluate.add_argument("--step", type=int, required=True, help="the step whose weights to evaluate (0: the base "
+                          "model)")
+    evaluate.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a key of the run's config, e.g. --set eval.k=8 --set eval.num_examples=50",
+    )
+    _add_verbose(evaluate)
+    evaluate.set_defaults(func=cmd_eval)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])

@@ -1,4 +1,4 @@
-"""`trace-rl serve`: the train and replay flows as deployments served from this process (`prefect.serve`).
+"""`trace-rl serve`: the train, eval and replay flows as deployments served from this process (`prefect.serve`).
 
 Runs started from the UI (or on the cron schedule) execute here, so a deployment run is one
 long training run whose steps are subflows, with the model loaded once.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prefect import serve
 
+from flows.eval import evaluate
 from flows.replay import replay
 from flows.train import train
 from trace_rl.config import Config
@@ -26,4 +27,10 @@ def serve_config(config: Config, cron: str | None = None) -> None:
         description="Replay saved traces of a run through new algorithms into new batches.",
         enforce_parameter_schema=True,
     )
-    serve(training, replaying)
+    evaluating = evaluate.to_deployment(
+        name=f"{config.name}-eval",
+        parameters={"config": config.model_dump(mode="json"), "step": config.steps},
+        description=f"Evaluate the weights of one step of {config.name} on its [eval] envs (docs/eval.md).",
+        enforce_parameter_schema=True,
+    )
+    serve(training, evaluating, replaying)

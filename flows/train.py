@@ -14,11 +14,14 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from flows.artifacts import aligned, history, publish, reward_mean, start_progress, update_progress
+from flows.eval import eval_table, evaluate_with_progress
 from flows.liveness import crash_gone_runs, label_this_flow_run
 from flows.step import train_step
 from trace_rl.config import Config
+from trace_rl.evaluation import evaluates_at, finished_eval, tracker_metrics
 from trace_rl.run import prepare_run
 from trace_rl.storage import RunStorage, step_name
+from trace_rl.tracking import Trackers, step_metrics
 
 PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes up every step
 
@@ -45,8 +48,11 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     done: list[tuple] = []
     # on a terminal one live line (rich); in a log file a plain line per step
     with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console,
-                  disable=not console.is_terminal) as bar:
+                  disable=not console.is_terminal) as bar, Trackers(config, storage) as trackers:
         task = bar.add_task(config.name, total=config.steps, completed=first - 1, last="")
+        # an eval the last process did not finish (it died between a step and its eval)
+        for step in [s for s in range(1, first) if evaluates_at(config, s) and finished_eval(storage, s) is None]:
+            run_eval_of_step(config, step, bar, console, trackers)
         for step in range(first, config.steps + 1):
             started = time.perf_counter()
             result = train_step(config, step)
@@ -56,10 +62,13 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
                          ", ".join(result["reused"])))
             publish(config, rows, plot=step % PLOT_EVERY == 0 or step == config.steps)
             update_progress(progress, config, step)
+            trackers.log_metrics(step_metrics(metrics, reward_mean(metrics)), step)
             line = step_line(config, *done[-1])
             bar.update(task, advance=1, last=line)
             if not console.is_terminal:
                 console.print(line, highlight=False, soft_wrap=True)
+            if evaluates_at(config, step):
+                run_eval_of_step(config, step, bar, console, trackers)
     console.print(reward_table(config, done))
     if len(rows) >= 10:
         first, last = (sum(reward_mean(r) for r in part) / 5 for part in (rows[:5], rows[-5:]))
@@ -67,6 +76,13 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
                       f"({last - first:+.3f})")
     console.print(where_things_are(storage, config.steps, this_run), highlight=False, soft_wrap=True)
     return [{"step": d[0], "reward_mean": d[1]} for d in done]
+
+
+def run_eval_of_step(config: Config, step: int, bar: Progress, console: Console, trackers: Trackers) -> None:
+    """The eval subflow on the weights of `step`, its metrics into the run's trackers and onto the terminal."""
+    rows = evaluate_with_progress(config, step, bar, track=False)
+    trackers.log_metrics(tracker_metrics(rows), step)
+    console.print(eval_table(config, rows))
 
 
 def say(logger, console: Console, message: str) -> None:

@@ -17,7 +17,8 @@ SECTIONS = [
     ("top level", c.Config), ("[model]", c.ModelConfig), ("[models.<key>]", c.ExtraModelConfig),
     ("[inference]", c.InferenceConfig), ("[sampling] and [env.sampling]", c.SamplingConfig), ("[[env]]", c.EnvConfig),
     ("[trainer]", c.TrainerConfig), ("[trainer.loss]", c.LossConfig), ("[ckpt]", c.CheckpointConfig),
-    ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig),
+    ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig), ("[eval]", c.EvalConfig),
+    ("[logging]", c.LoggingConfig), ("[logging.mlflow]", c.MlflowConfig), ("[logging.wandb]", c.WandbConfig),
 ]
 
 

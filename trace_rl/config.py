@@ -181,6 +181,46 @@ class PrefectConfig(Strict):
     api_url: str | None = Field(None, description="a Prefect server to use instead of the embedded one")
 
 
+class EvalConfig(Strict):
+    """`[eval]`: held-out evaluation of the policy's weights (docs/eval.md)."""
+
+    interval: int = Field(0, ge=0, description="evaluate every `interval` steps (0: only after the last step)")
+    envs: list[EnvConfig] = Field(..., min_length=1, description="[[eval.envs]]: env configs, usually with an eval "
+                                  "split (args.split = 'eval'); their batch_size and group_size are not used")
+    k: int = Field(4, gt=0, description="samples per example; pass@k is reported for k in {1, k/2, k}")
+    num_examples: int = Field(16, gt=0, description="examples per env")
+    sampling: SamplingConfig | None = Field(None, description="[eval.sampling]: replaces [sampling] for eval")
+    pass_reward: float = Field(1.0, description="a sample counts as correct (pass@k, avg@k) when its reward is at "
+                               "least this")
+
+
+class MlflowConfig(Strict):
+    """`[logging.mlflow]`."""
+
+    tracking_uri: str = Field("sqlite:///mlflow.db", description="an MLflow tracking server URL or a local database "
+                              "(sqlite:///<file>); MLflow 3 refuses a ./mlruns directory unless "
+                              "MLFLOW_ALLOW_FILE_STORE=true")
+    experiment: str | None = Field(None, description="experiment name (default: the run name)")
+
+
+class WandbConfig(Strict):
+    """`[logging.wandb]`."""
+
+    project: str = Field("trace-rl", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user)")
+    mode: Literal["online", "offline"] = Field("online", description="offline: write ./wandb only, sync later")
+    dir: str | None = Field(None, description="where W&B writes its files (default: the working directory)")
+
+
+class LoggingConfig(Strict):
+    """`[logging]`: experiment trackers that get the config, step and eval metrics (docs/eval.md)."""
+
+    backends: list[str] = Field(default_factory=list, description="'mlflow', 'wandb', or the name of a "
+                                "'trace_rl.trackers' entry point")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="[logging.mlflow]")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="[logging.wandb]")
+
+
 class Config(Strict):
     """A training run (the top level of the TOML file)."""
 
@@ -204,6 +244,8 @@ class Config(Strict):
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="[ckpt]")
     prefect: PrefectConfig = Field(default_factory=PrefectConfig, description="[prefect]")
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="[remote]")
+    eval: EvalConfig | None = Field(None, description="[eval]: held-out evaluation (docs/eval.md)")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="[logging]: experiment tracking")
 
     @field_validator("name")
     @classmethod

@@ -15,7 +15,7 @@ import numpy as np
 
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.channels import aggregate, channel_stats
-from trace_rl.config import Config, ConfigError
+from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.errors import RefusedError
 from trace_rl.loading import validate_config
 from trace_rl.names import LOSS_NAMES
@@ -93,12 +93,16 @@ def parse_steps(text: str | None, available: list[int]) -> list[int]:
     return wanted
 
 
-def source_config(run_url: str, storage_options: dict[str, Any] | None = None) -> Config:
+def source_config(run_url: str, storage_options: dict[str, Any] | None = None, overrides: list[str] = (),
+                  flag: str = "--run") -> Config:
+    """The config a run was started with, pointed at where the run is now, with `--set` overrides applied."""
     storage = RunStorage.from_url(run_url, storage_options)
     path = storage.path("config.toml")
     if not storage.exists(path):
-        raise ConfigError([f"--run {run_url}: no config.toml there; is it a trace-rl run directory?"])
+        raise ConfigError([f"{flag} {run_url}: no config.toml there; is it a trace-rl run directory?"])
     local = tomllib.loads(storage.read_bytes(path).decode())
+    for assignment in overrides:
+        apply_override(local, assignment)
     local["storage"], local["name"] = run_url.rstrip("/").rpartition("/")[::2]
     local["storage"] = local["storage"] or "."
     if storage_options:

@@ -131,7 +131,7 @@ async def sample_rollouts(
     jobs = []
     for env_index, env_config in enumerate(config.env):
         env = load_env(env_config.id, env_config.args)
-        examples = env.examples(derive_seed(config.seed, step, env_index), env_config.batch_size)
+        examples = env.examples_for_step(config.seed, step, env_index, env_config.batch_size)
         example_ids = [example.id for example in examples]
         if len(set(example_ids)) < len(example_ids):
             twice = sorted({i for i in example_ids if example_ids.count(i) > 1})
@@ -172,7 +172,11 @@ def check_error_fraction(config: Config, env_index: int, name: str, step: int, s
 
 def env_names(config: Config) -> list[str]:
     """Env ids, with `#<index>` appended where the same id appears more than once."""
-    ids = [env.id for env in config.env]
+    return distinct_names([env.id for env in config.env])
+
+
+def distinct_names(ids: list[str]) -> list[str]:
+    """The ids, with `#<index>` appended where one appears more than once."""
     return [env_id if ids.count(env_id) == 1 else f"{env_id}#{i}" for i, env_id in enumerate(ids)]
 
 

@@ -21,8 +21,9 @@ from trace_rl.storage import RunStorage
 
 
 def config_hash(config: Config) -> str:
-    """What a step's outputs depend on: the whole config except the step count and the Prefect server."""
-    data = config.model_dump(mode="json", exclude={"steps", "prefect"})
+    """What a step's outputs depend on: the whole config except the step count, the Prefect server, eval and
+    tracking (neither changes what a training step computes)."""
+    data = config.model_dump(mode="json", exclude={"steps", "prefect", "eval", "logging"})
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

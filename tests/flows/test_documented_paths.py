@@ -17,8 +17,8 @@ INLINE = re.compile(rf"`(?:(?:runs|<storage>)/(?:<name>|demo)/)?({TOP})`")
 # a step is six digits: the placeholders, and examples such as `steps/000030/` (whichever step they show)
 PLACEHOLDERS = [("<step:06d>", r"\d{6}"), ("<step>", r"\d{6}"), ("<s>", r"\d{6}"), ("<s-1>", r"\d{6}"),
                 ("<NN>", r"\d{2}"), ("<algorithm>", r"[^/]+"), ("<id>", r"[^/]+"), ("*", r"[^/]*")]
-# written only by some runs: a stateful algorithm's state (rae) and the record of a replay's --out
-ONLY_SOME_RUNS = {"steps/<step>/channels/<NN>-<algorithm>.state.json", "replay.json"}
+# written only by some runs: a stateful algorithm's state (rae), the record of a replay's --out and a tracker's run id
+ONLY_SOME_RUNS = {"steps/<step>/channels/<NN>-<algorithm>.state.json", "replay.json", "tracking/<backend>.json"}
 
 
 def layout_paths(text: str) -> set[str]:
@@ -69,7 +69,8 @@ def run_files(prefect_api, tmp_path_factory) -> list[str]:
     from flows.train import run_training
     from trace_rl.loading import validate_config
 
-    config = validate_config(small_config(str(tmp_path_factory.mktemp("runs")), "documented"))
+    evaluation = {"k": 1, "num_examples": 1, "envs": [{"id": "reverse-text"}]}  # writes eval/step_000002/
+    config = validate_config(small_config(str(tmp_path_factory.mktemp("runs")), "documented", eval=evaluation))
     run_training(config)
     root = Path(config.storage) / config.name
     return [str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*")]

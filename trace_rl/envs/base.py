@@ -108,6 +108,15 @@ class Environment:
             for i in range(count)
         ]
 
+    def examples_for_step(self, run_seed: int, step: int, env_index: int, count: int) -> list[Example]:
+        """The `count` examples of one step (from 1) of the env at `env_index`: by default `examples` seeded by
+        (run seed, step, env index); an env with a fixed data set overrides it to walk its rows epoch by epoch."""
+        return self.examples(derive_seed(run_seed, step, env_index), count)
+
+    @classmethod
+    def check(cls, args: BaseModel) -> None:
+        """Config-time checks beyond the args' schema (e.g. that a data set's files read); raises EnvError."""
+
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         raise NotImplementedError
 
@@ -169,11 +178,16 @@ def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
 
 
 def check_envs(config) -> list[str]:
-    """Config-time check of every `[[env]]` (run by `trace_rl.loading.check_config`): a known id and valid `args`."""
+    """Config-time check of every `[[env]]` and `[[eval.envs]]` (run by `trace_rl.loading.check_config`): a known
+    id, valid `args` and whatever else the env checks (`Environment.check`)."""
+    where = [(f"env.{i}", env) for i, env in enumerate(config.env)]
+    if config.eval is not None:
+        where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
     problems = []
-    for index, env in enumerate(config.env):
+    for name, env in where:
         try:
-            validate_args(resolve_env_class(env.id), dict(env.args))
+            cls = resolve_env_class(env.id)
+            cls.check(validate_args(cls, dict(env.args)))
         except EnvError as exc:
-            problems.append(f"env.{index}: {exc}")
+            problems.append(f"{name}: {exc}")
     return problems
