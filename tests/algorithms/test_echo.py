@@ -178,7 +178,7 @@ def test_one_pass_over_all_groups_equals_each_trace_alone():
     together = echo(spec, traces)
     alone = [channel for t in traces for channel in echo(spec, [t])]
     assert load_algorithm({"id": "echo"}).per_trace
-    key = lambda c: (c.trace_id, c.branch_index)  # noqa: E731
+    key = lambda c: (c.trace_id, c.branch_index)
     assert sorted(map(key, together)) == sorted(map(key, alone)) and len(together) == 3
     by_key = {key(c): c for c in alone}
     for channel in together:
