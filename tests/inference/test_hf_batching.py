@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -142,3 +143,18 @@ def test_a_failed_batch_fails_each_of_its_requests():
     for future in futures:
         with pytest.raises(RuntimeError, match="model exploded"):
             future.result(timeout=10)
+
+
+def test_an_idle_worker_exits_and_the_next_request_starts_another():
+    batcher = RequestBatcher(lambda requests, futures: [f.set_result(r * 2) for r, f in zip(requests, futures)],
+                             idle_exit_s=0.05, name="idle-exit-test")
+
+    def workers() -> int:
+        return sum(thread.name == "idle-exit-test" for thread in threading.enumerate())
+
+    assert batcher.submit(1).result(timeout=10) == 2 and workers() == 1
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert workers() == 0
+    assert batcher.submit(2).result(timeout=10) == 4
