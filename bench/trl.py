@@ -17,7 +17,9 @@ and so on (the order rotating each step), one side at a time while the others wa
 of a shared machine hits all sides alike. Reported per side, best of the steps after the first
 (warm-up; medians too): step seconds (everything: sampling, advantages,
 training, and for trace-rl also the Parquet hand-offs, the checkpoint, the weight export
-and the broadcast), trainer seconds and trainer tokens/s (non-pad prompt + completion tokens
+and the broadcast) and the CPU seconds the side's processes spent on it (the process and its
+live children: vLLM's engine processes; robust to a loaded machine, where wall time also
+counts waiting for a core), trainer seconds and trainer tokens/s (non-pad prompt + completion tokens
 per second of forward + backward + optimizer step: trace-rl's `Trainer.train_step`, TRL's
 step minus its generate-and-score phase), peak RSS, and the mean reward per step.
 
@@ -70,6 +72,21 @@ def wait_for_turn() -> None:
         raise SystemExit(0)  # stdin closed: the coordinator is done with this side
 
 
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its live children (vLLM engine processes)."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def report(marker: str, payload: dict) -> None:
     import torch
 
@@ -91,12 +108,12 @@ def run_trace_rl(steps: int, backend: str) -> None:
             for step in range(1, steps + 1):
                 wait_for_turn()
                 timers.take()
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), tree_cpu_seconds()
                 result = run_step(session, step)
-                wall = time.perf_counter() - started
+                wall, cpu = time.perf_counter() - started, tree_cpu_seconds() - cpu
                 timed = timers.take()
                 report(ROW, {
-                    "step_seconds": wall, "trainer_seconds": timed["trainer/compute"],
+                    "step_seconds": wall, "step_cpu_seconds": cpu, "trainer_seconds": timed["trainer/compute"],
                     "sample_seconds": timed["sample_rollouts"], "tokens": result["train"]["metrics"]["tokens"],
                     "reward": result["rollouts"]["metrics"][f"rollouts/{REFERENCE['env']}/reward_mean"],
                 })
@@ -153,12 +170,12 @@ def run_trl(steps: int, use_vllm: bool) -> None:
         class StepClock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
                 wait_for_turn()
-                self.started = time.perf_counter()
+                self.started, self.cpu = time.perf_counter(), tree_cpu_seconds()
 
             def on_step_end(self, args, state, control, **kwargs):
-                wall = time.perf_counter() - self.started
+                wall, cpu = time.perf_counter() - self.started, tree_cpu_seconds() - self.cpu
                 generate_seconds, tokens = generation[-1]
-                report(ROW, {"step_seconds": wall, "trainer_seconds": wall - generate_seconds,
+                report(ROW, {"step_seconds": wall, "step_cpu_seconds": cpu, "trainer_seconds": wall - generate_seconds,
                              "sample_seconds": generate_seconds, "tokens": tokens, "reward": rewards[-1]})
 
         trainer.add_callback(StepClock())
@@ -179,6 +196,8 @@ def summarize(rows: list[dict], peak_rss_mb: float, loads: list[float]) -> dict:
     return {
         "step_seconds": min(r["step_seconds"] for r in warm),
         "median_step_seconds": statistics.median(r["step_seconds"] for r in warm),
+        "step_cpu_seconds": min(r["step_cpu_seconds"] for r in warm),
+        "median_step_cpu_seconds": statistics.median(r["step_cpu_seconds"] for r in warm),
         "sample_seconds": min(r["sample_seconds"] for r in warm),
         "trainer_seconds": min(r["trainer_seconds"] for r in warm),
         "trainer_tokens_per_s": max(r["tokens"] / r["trainer_seconds"] for r in warm),
@@ -290,6 +309,7 @@ def run(steps: int = STEPS, sides: tuple[str, ...] = SIDES) -> dict:
         ratios[name] = {
             "step_speedup": theirs["step_seconds"] / ours["step_seconds"],
             "median_step_speedup": theirs["median_step_seconds"] / ours["median_step_seconds"],
+            "step_cpu_speedup": theirs["step_cpu_seconds"] / ours["step_cpu_seconds"],
             "trainer_tokens_per_s": ours["trainer_tokens_per_s"] / theirs["trainer_tokens_per_s"],
             "median_trainer_tokens_per_s": ours["median_trainer_tokens_per_s"] / theirs["median_trainer_tokens_per_s"],
             "peak_rss": ours["peak_rss_mb"] / theirs["peak_rss_mb"],
