@@ -4,11 +4,11 @@ Workload: a Qwen2 model built in memory (hidden 256, 4 layers, 8 heads of 32, 4 
 heads, MLP 768, the tiny byte tokenizer's vocabulary: 3.4M parameters), fp32 on
 CPU or bf16 autocast on CUDA; a step of 16 samples of 64-255 tokens (2,355 tokens), rl on
 the second half of each sample, packed into micro-batches of 1024 tokens.
-The block-diagonal mask is dense, so attention costs T^2 per micro-batch of T
-tokens whatever the sample lengths; MFU counts only the useful (per-sample) part.
+Attention runs per sample (`trace_rl.trainer.varlen`), so it costs sum L^2 over the
+samples of a micro-batch, not T^2; MFU counts that useful part.
 
 Compared with a bare PyTorch loop over the same packed micro-batches (same model,
-same block-diagonal mask, a plain cross-entropy, backward, AdamW step): the ratio
+same per-sample attention, a plain cross-entropy, backward, AdamW step): the ratio
 is the trainer's overhead. MFU is model FLOPs (6 x parameters + causal attention,
 per token) at the measured tokens/s over the FLOP/s of a large matmul measured here.
 
@@ -28,8 +28,8 @@ from trace_rl.config import Config
 from trace_rl.storage import RunStorage
 from trace_rl.tables import TrainingSample
 from trace_rl.tiny import ARCHITECTURE, build_tokenizer
-from trace_rl.trainer.packing import block_causal_mask, pack
-from trace_rl.trainer.trainer import Trainer, resolve_device
+from trace_rl.trainer.packing import pack
+from trace_rl.trainer.trainer import Trainer, packed_call, resolve_device
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4}
@@ -91,11 +91,9 @@ def bare_step(model, optimizer, micro_batches, device: torch.device, dtype: torc
     optimizer.zero_grad(set_to_none=True)
     for batch in micro_batches:
         ids = torch.from_numpy(batch.input_ids).to(device)
-        mask = block_causal_mask(torch.from_numpy(batch.segment_ids).to(device), dtype)
         positions = torch.from_numpy(batch.position_ids).to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                           use_cache=False).logits
+            logits = model(**packed_call(ids, positions)).logits
         torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[1:]).backward()
     optimizer.step()
 

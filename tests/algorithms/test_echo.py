@@ -158,3 +158,29 @@ def test_untrainable_and_errored_traces_get_nothing():
 def test_bad_options_are_named(spec, message):
     with pytest.raises(AlgorithmError, match=message):
         load_algorithm({"id": "echo", **spec})
+
+
+def test_one_pass_over_all_groups_equals_each_trace_alone():
+    """Echo runs once over every group (`per_trace`); traces of different sizes, multi-branch ones, untrainable
+    ones and ones without observations in between must each get what they get alone."""
+    shared = MESSAGES[:4] + [{"role": "assistant", "content": "b"}]
+    two_branches = [chat_branch([(0, 1, False), (1, 1, False), (2, 1, True)]),
+                    chat_branch([(0, 1, False), (1, 1, False), (2, 1, False), (3, 2, False), (4, 1, True)],
+                                index=1)]
+    traces = [
+        trace("a", group="g0"),
+        make_trace("b", shared, two_branches, group="g1"),
+        trace("c", group="g0", trainable=False),
+        make_trace("d", MESSAGES[:2], [chat_branch(LAYOUT[:2])], group="g2"),  # nothing sampled: no observations
+        trace("e", group="g1"),
+    ]
+    spec = {"system": {}, "user": {"alpha": 0.5}, "assistant": {}, "include_prompt": False}
+    together = echo(spec, traces)
+    alone = [channel for t in traces for channel in echo(spec, [t])]
+    assert load_algorithm({"id": "echo"}).per_trace
+    key = lambda c: (c.trace_id, c.branch_index)
+    assert sorted(map(key, together)) == sorted(map(key, alone)) and len(together) == 3
+    by_key = {key(c): c for c in alone}
+    for channel in together:
+        np.testing.assert_array_equal(channel.mask, by_key[key(channel)].mask)
+        np.testing.assert_array_equal(channel.values, by_key[key(channel)].values)

@@ -24,7 +24,9 @@ def test_generate_returns_tokens_with_logprobs_reproducibly(runtime, prompt_ids)
     assert len(first.token_ids) == len(first.logprobs) == 12
     assert first.finish_reason == "length"
     assert all(lp < 0 for lp in first.logprobs)
-    assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
+    assert first.token_ids == again.token_ids
+    # hf decodes the three as one batch, where equal rows may differ by GEMM rounding (test_hf_batching.py)
+    np.testing.assert_allclose(first.logprobs, again.logprobs, atol=1e-5, rtol=0)
     assert other.token_ids != first.token_ids
 
 

@@ -11,13 +11,19 @@ import torch
 from tests.trainer.conftest import make_batch
 from trace_rl.trainer.packing import PackingError, assign_to_ranks, collate, first_fit_decreasing, pack
 from trace_rl.trainer.trainer import token_logprobs
+from trace_rl.trainer.varlen import PACKED_ATTENTION
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
+def load_model(path: str, attention: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention).eval()
+
+
+@pytest.fixture(scope="module", params=[PACKED_ATTENTION, "sdpa"])
+def model(tiny_model_path, request):
+    """The trainer's per-sample attention, and transformers' sdpa (its block mask built from the position ids)."""
+    return load_model(tiny_model_path, request.param)
 
 
 def test_first_fit_decreasing():
@@ -52,6 +58,29 @@ def test_packed_logprobs_equal_each_sample_alone(model):
         alone = [token_logprobs(model, collate([s]), torch.device("cpu")) for s in samples]
     torch.testing.assert_close(lp_packed, torch.cat([lp for lp, _ in alone]), atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy_packed, torch.cat([e for _, e in alone]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", ["auto", None])
+def test_packed_varlen_loss_and_gradients_equal_the_unpacked_computation(tiny_model_path, chunk_size):
+    """The trainer's per-sample attention over a packed row gives each sample's own loss and gradients (1e-5)."""
+    model = load_model(tiny_model_path, PACKED_ATTENTION).train()
+    samples = make_batch(4, n=5, min_len=3, max_len=40)
+    weights = torch.from_numpy(np.random.default_rng(0).normal(size=sum(len(s) for s in samples)).astype(np.float32))
+
+    def loss_and_gradients(batches):
+        model.zero_grad(set_to_none=True)
+        lp = torch.cat([token_logprobs(model, b, torch.device("cpu"), chunk_size)[0] for b in batches])
+        loss = -(lp * weights).sum()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    packed_loss, packed_grads = loss_and_gradients([collate(samples)])
+    alone_loss, alone_grads = loss_and_gradients([collate([s]) for s in samples])
+    torch.testing.assert_close(packed_loss, alone_loss, atol=1e-5, rtol=0)
+    assert packed_grads.keys() == alone_grads.keys()
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], atol=1e-5, rtol=0, msg=name)
+    assert max(g.abs().max() for g in packed_grads.values()) > 1e-2  # gradients that say something
 
 
 def test_sampled_tokens_at_the_sample_temperature_others_at_one(model):

@@ -55,6 +55,9 @@ class Algorithm:
 
     loss: ClassVar[Loss] = "rl"
     Options: ClassVar[type[BaseModel]] = NoOptions
+    # True when a trace's annotations depend on that trace alone: the runner then hands `advantage` every
+    # group in one call (one vectorized pass instead of one per group)
+    per_trace: ClassVar[bool] = False
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config

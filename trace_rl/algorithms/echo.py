@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError, register
 from trace_rl.algorithms.signal import ok_traces
-from trace_rl.trace import Branch, Message, Trace
+from trace_rl.trace import Message, Trace
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -77,18 +78,26 @@ def tool_name(message: Message, call_names: dict[str, str]) -> str | None:
     return message.name or call_names.get(message.tool_call_id or "")
 
 
-def observation_weights(branch: Branch, selected: np.ndarray, alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def observation_weights(
+    slots: np.ndarray, is_content: np.ndarray, selected: np.ndarray, alpha: np.ndarray, first_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """ECHO: L = -sum_{t in O} alpha_role(t) * log pi_theta(o_t | o_<t).
 
-    O: content tokens of the selected messages (observations of enabled roles; `selected`
-    and `alpha` have one entry per message plus a last one for message_index -1), never
-    token 0. Returns (values = alpha on O and 0 elsewhere, mask = O).
+    O: content tokens of the selected messages, never a branch's token 0. Works on any number of
+    branches at once: `slots` maps each token to its message's entry of `selected`/`alpha`, and
+    `first_tokens` are the positions of the branches' token 0. Returns (values = alpha on O and 0
+    elsewhere, mask = O).
     """
-    slots = branch.message_index.astype(np.intp)  # numpy indexes fastest with intp
-    mask = selected[slots] & branch.is_content
-    if len(mask):
-        mask[0] = False
+    mask = selected[slots] & is_content
+    mask[first_tokens] = False
     return alpha[slots] * mask, mask
+
+
+def first_holders(slots: np.ndarray, mask: np.ndarray, branch_of_token: np.ndarray) -> np.ndarray:
+    """Keep each message's tokens only in the first branch (by position) that masks any of them."""
+    first = np.full(int(slots.max(initial=-1)) + 1, np.iinfo(np.intp).max, np.intp)
+    np.minimum.at(first, slots[mask], branch_of_token[mask])
+    return mask & (first[slots] == branch_of_token)
 
 
 @register("echo")
@@ -104,6 +113,7 @@ class Echo(Algorithm):
 
     loss = "ce"
     Options = EchoOptions
+    per_trace = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -121,24 +131,35 @@ class Echo(Algorithm):
             return [str(exc)]
         return []
 
-    def observations(self, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-        """Per message (plus a slot for message_index -1): is it supervised, and with which alpha."""
-        count = len(trace.messages)
-        flags = np.zeros(count + 1, np.bool_)
-        for branch in trace.branches:
-            flags[branch.message_index[branch.sampled].astype(np.intp)] = True
-        sampled = flags[:count].tolist()
-        first_sampled = 0 if self.options.include_prompt else sampled.index(True) if True in sampled else count
+    def message_alpha(self, trace: Trace) -> list[float]:
+        """Per message: its role's alpha, or NaN when its role (or its tool) is not supervised."""
         tool_names = self.options.tool.tool_names if self.options.tool is not None else None
         call_names = {c.id: c.name for m in trace.messages for c in m.tool_calls or ()} if tool_names else {}
-        selected, alpha = [False] * (count + 1), [0.0] * (count + 1)
-        for index, message in enumerate(trace.messages):
-            if message.role not in self.role_alpha or sampled[index] or index < first_sampled:
-                continue
-            if message.role == "tool" and tool_names and tool_name(message, call_names) not in tool_names:
-                continue
-            selected[index], alpha[index] = True, self.role_alpha[message.role]
-        return np.array(selected), np.array(alpha, np.float32)
+        alphas = [self.role_alpha.get(message.role, np.nan) for message in trace.messages]
+        if tool_names:
+            for index, message in enumerate(trace.messages):
+                if message.role == "tool" and tool_name(message, call_names) not in tool_names:
+                    alphas[index] = np.nan
+        return alphas
+
+    def observations(self, traces: list[Trace], slot_base: np.ndarray, slots: np.ndarray,
+                     sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per message slot of all `traces`: is it supervised, and with which alpha.
+
+        Trace i owns slots slot_base[i] (its tokens with message_index -1) to slot_base[i + 1] - 1 (its
+        messages in order). A message is supervised when its role is, no branch sampled it and, unless
+        `include_prompt`, it comes after the trace's first sampled message.
+        """
+        alpha = np.array([value for trace in traces for value in (np.nan, *self.message_alpha(trace))], np.float32)
+        was_sampled = np.zeros(len(alpha), np.bool_)
+        was_sampled[slots[sampled]] = True
+        selected = ~np.isnan(alpha) & ~was_sampled
+        if not self.options.include_prompt:
+            position = np.arange(len(alpha))
+            was_sampled[slot_base[:-1]] = False  # the -1 slot is no message
+            first_sampled = np.minimum.reduceat(np.where(was_sampled, position, len(alpha)), slot_base[:-1])
+            selected &= position >= np.repeat(first_sampled, np.diff(slot_base))
+        return selected, np.nan_to_num(alpha, nan=0.0)
 
     def narrow(self, trace: Trace, masks: list[np.ndarray]) -> list[np.ndarray]:
         path = self.options.filter.import_path
@@ -161,20 +182,34 @@ class Echo(Algorithm):
         return narrowed
 
     async def advantage(self, traces: list[Trace]) -> None:
-        for trace in ok_traces(traces):
-            if not trace.branches:
-                continue
-            selected, alpha = self.observations(trace)
-            values, masks = [], []
-            for branch in trace.branches:
-                branch_values, mask = observation_weights(branch, selected, alpha)
-                if len(trace.branches) > 1:
-                    selected[branch.message_index[mask]] = False
-                values.append(branch_values)
-                masks.append(mask)
-            if self.filter is not None:
-                masks = self.narrow(trace, masks)
-                values = [v * mask for v, mask in zip(values, masks)]
-            for branch, branch_values, mask in zip(trace.branches, values, masks):
-                if np.count_nonzero(mask):
-                    branch.advantages, branch.mask = branch_values, mask
+        traces = [trace for trace in ok_traces(traces) if trace.branches]
+        if not traces:
+            return
+        branches = [branch for trace in traces for branch in trace.branches]
+        slot_base = np.cumsum([0, *(len(trace.messages) + 1 for trace in traces)])
+        lengths = np.array([len(branch) for branch in branches])
+        branch_base = np.repeat(slot_base[:-1] + 1, [len(trace.branches) for trace in traces])
+        slots = np.repeat(branch_base, lengths) + np.concatenate([b.message_index for b in branches])
+        sampled = np.concatenate([b.sampled for b in branches])
+        selected, alpha = self.observations(traces, slot_base, slots, sampled)
+        starts = np.cumsum([0, *lengths])
+        values, mask = observation_weights(slots, np.concatenate([b.is_content for b in branches]), selected, alpha,
+                                           starts[:-1][lengths > 0])
+        if len(branches) > len(traces):
+            mask = first_holders(slots, mask, np.repeat(np.arange(len(branches)), lengths))
+            values = values * mask
+        bounds = list(pairwise(starts.tolist()))
+        branch_values, branch_masks = [values[a:b] for a, b in bounds], [mask[a:b] for a, b in bounds]
+        if self.filter is not None:
+            at = 0
+            for trace in traces:
+                end = at + len(trace.branches)
+                branch_masks[at:end] = self.narrow(trace, branch_masks[at:end])
+                branch_values[at:end] = [v * m for v, m in zip(branch_values[at:end], branch_masks[at:end])]
+                at = end
+            mask = np.concatenate(branch_masks)
+        masked_before = np.searchsorted(np.flatnonzero(mask), starts)
+        for branch, branch_value, branch_mask, count in zip(branches, branch_values, branch_masks,
+                                                              np.diff(masked_before)):
+            if count:
+                branch.advantages, branch.mask = branch_value, branch_mask

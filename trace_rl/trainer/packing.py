@@ -1,11 +1,11 @@
 """Packing training samples into micro-batches of at most `trainer.micro_batch_tokens` tokens.
 
 A micro-batch is one row of concatenated samples. Each sample keeps its own
-position ids (0, 1, ...) and attends only to its own earlier tokens: the
-attention mask is block-diagonal causal, passed to the model as a 4D additive
-mask, which the eager and SDPA attention paths of transformers 4.5x and 5.x use
-as given. The first token of a sample has no prediction (its logprob is 0 by
-convention), so any mask there is dropped.
+position ids (0, 1, ...) and attends only to its own earlier tokens: the trainer
+passes the sample bounds with the row (`trace_rl.trainer.varlen`), so attention
+runs per sample instead of over a dense block-diagonal (T x T) mask. The first
+token of a sample has no prediction (its logprob is 0 by convention), so any
+mask there is dropped.
 
 Each token's logits divisor (`MicroBatch.temperature`) is the sample's temperature on
 tokens the sampler produced (`sampled`) and 1 on every other token (prompt, template,
@@ -18,7 +18,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from trace_rl.names import LOSS_NAMES
 from trace_rl.tables import TrainingSample
@@ -144,12 +143,3 @@ def assign_to_ranks(micro_batches: list[MicroBatch], world_size: int) -> list[li
     for r in ranks:
         r.extend(empty_micro_batch() for _ in range(depth - len(r)))
     return ranks
-
-
-def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A (1, 1, T, T) additive mask: 0 where query i may attend key j (same sample, j <= i), dtype-min elsewhere."""
-    positions = torch.arange(len(segment_ids), device=segment_ids.device)
-    allowed = (segment_ids[:, None] == segment_ids[None, :]) & (positions[:, None] >= positions[None, :])
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]

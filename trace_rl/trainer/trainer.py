@@ -30,13 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from trace_rl.config import Config
-from trace_rl.storage import RunStorage, step_name
-from trace_rl.names import LOSS_NAMES
-from trace_rl.tables import TrainingSample
 from trace_rl.hub import resolve_model_path
+from trace_rl.names import LOSS_NAMES
+from trace_rl.storage import RunStorage, step_name
+from trace_rl.tables import TrainingSample
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
-from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, block_causal_mask, pack
+from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
+from trace_rl.trainer.varlen import PACKED_ATTENTION, varlen_arguments
 
 WEIGHTS = "weights"
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -69,13 +70,6 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def attention_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
-    """The dtype attention runs in: the autocast dtype inside `torch.autocast`, else the parameters' dtype."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return next(model.parameters()).dtype
-
-
 def logits_to_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +95,16 @@ def head_logprobs(
     return logits_to_logprobs(logits, targets, temperature)
 
 
-def final_hidden_states(
-    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def packed_call(ids: torch.Tensor, positions: torch.Tensor) -> dict:
+    """The model-call arguments of one packed row: per-sample position ids and sample bounds, no dense mask.
+
+    A `PACKED_ATTENTION` (or flash-attention) model attends within each sample from the bounds; other
+    attention implementations of transformers build the block-diagonal mask from the position ids."""
+    return {"input_ids": ids[None], "position_ids": positions[None], "attention_mask": None, "use_cache": False,
+            **varlen_arguments(positions)}
+
+
+def final_hidden_states(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The decoder body's output (T, hidden) of one packed row, taken by a forward hook during the model's call.
 
     The model is called as a whole, through any DDP/FSDP wrapper (so their forward hooks
@@ -121,7 +122,7 @@ def final_hidden_states(
         extra = {}
         if "logits_to_keep" in inspect.signature(hf_model.forward).parameters:
             extra["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=ids.device)
-        model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False, **extra)
+        model(**packed_call(ids, positions), **extra)
     finally:
         hook.remove()
     return captured[-1][0]
@@ -144,15 +145,13 @@ def token_logprobs(
     """
     ids = torch.from_numpy(batch.input_ids).to(device)
     positions = torch.from_numpy(batch.position_ids).to(device)
-    segments = torch.from_numpy(batch.segment_ids).to(device)
     temperature = torch.from_numpy(batch.temperature).to(device)
-    mask = block_causal_mask(segments, attention_dtype(model, device))
     targets, target_temperature = ids[1:], temperature[1:]
     if chunk_size is None:
-        logits = model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=False).logits
+        logits = model(**packed_call(ids, positions)).logits
         lp, entropy = logits_to_logprobs(logits[0, :-1], targets, target_temperature)
     else:
-        hidden = final_hidden_states(model, ids, positions, mask)[:-1]
+        hidden = final_hidden_states(model, ids, positions)[:-1]
         hf_model = unwrapped(model)
         if chunk_size == "auto":
             chunk_size = chunk_positions(hf_model.get_output_embeddings().weight.shape[0])
@@ -228,7 +227,7 @@ class Trainer:
         # bfloat16 ulp of most weights and would round away; model.dtype is the compute and export dtype
         self.dtype = getattr(torch, config.model.dtype)
         self.module = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa"
+            path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
         ).to(self.device)
         self.module.config.use_cache = False
         self.module.train()
