@@ -18,6 +18,7 @@ from flows.liveness import crash_gone_runs, label_this_flow_run
 from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.run import prepare_run
+from trace_rl.schedule import sampled_while_training
 from trace_rl.storage import RunStorage, step_name
 
 PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes up every step
@@ -47,9 +48,13 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[last]}"), console=console,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task(config.name, total=config.steps, completed=first - 1, last="")
+        sampled: dict[int, dict] = {}  # `sample_rollouts` results of steps an earlier step sampled ([async])
         for step in range(first, config.steps + 1):
             started = time.perf_counter()
-            result = train_step(config, step)
+            ahead = sampled_while_training(step, config.async_.max_off_policy_steps, max(sampled, default=step),
+                                           config.steps)
+            result = train_step(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
+            sampled.update(zip(ahead, result["sampled"]))
             metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
             rows.append(metrics)
             done.append((step, reward_mean(metrics), metrics.get("train/entropy", 0.0), metrics["time/step"],

@@ -8,6 +8,7 @@ in, per-token logprobs out, the first token 0).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -16,6 +17,11 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from trace_rl.config import Config
+
+# The process's global torch RNG: the hf sampler seeds it per request, a trainer seeds and restores it as it is
+# built. With `[async]` sampling runs beside training in another thread; each holds this lock meanwhile, so
+# neither moves the other's random state.
+TORCH_RNG_LOCK = threading.Lock()
 
 
 class RuntimeConfig(BaseModel):
