@@ -17,7 +17,7 @@ SECTIONS = [
     ("top level", c.Config), ("[model]", c.ModelConfig), ("[models.<key>]", c.ExtraModelConfig),
     ("[inference]", c.InferenceConfig), ("[sampling] and [env.sampling]", c.SamplingConfig), ("[[env]]", c.EnvConfig),
     ("[trainer]", c.TrainerConfig), ("[trainer.loss]", c.LossConfig), ("[ckpt]", c.CheckpointConfig),
-    ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig),
+    ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig), ("[async]", c.AsyncConfig),
 ]
 
 
@@ -44,7 +44,7 @@ def reference() -> str:
         lines += [f"### {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         fields = model.model_fields if model is not c.ExtraModelConfig else model.model_fields
         for name, field in fields.items():
-            lines.append(f"| `{name}` | {type_of(field)} | {default_of(field)} | {field.description} |")
+            lines.append(f"| `{field.alias or name}` | {type_of(field)} | {default_of(field)} | {field.description} |")
         lines.append("")
     return "\n".join(lines)
 
