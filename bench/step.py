@@ -162,13 +162,13 @@ def run_interleaved(flow_config, library_step, timers) -> dict:
         if rows["flow"]:
             rows["flow"][-1]["timed"].update({k: v for k, v in around.items() if k.startswith("flow/")})
 
-    def timed_step(config, step):
+    def timed_step(config, step, **kwargs):
         attach_around()
         if step % 2 == 0:
             rows["library"].append(library_step(step))
         timers.take()
         started = time.perf_counter()
-        result = subflow(config, step)
+        result = subflow(config, step, **kwargs)
         rows["flow"].append({"step": step, "wall": time.perf_counter() - started, "timed": timers.take(),
                              "reward": result["metrics"][REWARD_KEY],
                              "flow_clock": {k.removeprefix("time/"): v for k, v in result["metrics"].items()

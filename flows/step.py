@@ -1,4 +1,9 @@
-"""`train_step`: one training step as a Prefect flow, its stages as tasks in a fixed order."""
+"""`train_step`: one training step as a Prefect flow, its stages as tasks in a fixed order.
+
+With `[async] max_off_policy_steps = k >= 1` the step also samples the steps after it (up to step + k,
+trace_rl.schedule) as submitted `sample_rollouts-step-<m>` task runs that run beside its `train` task,
+and returns their results: the next `train_step` starts from them instead of sampling.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ from trace_rl.session import session_for
 
 
 @flow(name="train_step", flow_run_name="{config.name}-step-{step}", log_prints=True)
-def train_step(config: Config, step: int) -> dict:
+def train_step(config: Config, step: int, rollouts: dict | None = None, sample_ahead: list[int] | None = None) -> dict:
+    """`rollouts`: this step's `sample_rollouts` result when an earlier step sampled it; `sample_ahead`: the later
+    steps to sample while this one trains."""
     logger = get_run_logger()
     resumable = stage_options(config)
     timings: dict[str, float] = {}
@@ -34,23 +41,39 @@ def train_step(config: Config, step: int) -> dict:
             reused.append(label)
         return state.result()  # raises the stage's error if it failed
 
-    rollouts = run(sample_rollouts, "sample_rollouts")
+    if rollouts is None:
+        rollouts = run(sample_rollouts, "sample_rollouts")
+    else:
+        timings["sample_rollouts"] = rollouts["seconds"]
     jobs = stages.algorithm_jobs(config)
     algorithms = [run(run_algorithm, f"algorithm/{job.config.id}", job=job) for job in jobs]
     paths = [result["channels"] for result in algorithms]
     run(validate_dimensions, "validate_dimensions", channel_paths=paths)
     aggregated = run(aggregate_channels, "aggregate_channels", channel_paths=paths)
     batch = run(write_batch, "write_batch", channel_paths=paths)
+    ahead = []
+    for later in sample_ahead or []:  # one after the other: each loads its own weights into the one sampler
+        ahead.append(sample_rollouts.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(
+            config=config, step=later, wait_for=ahead[-1:]))
     trained = run(train, "train", algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
-    started = time.perf_counter()
-    broadcast_weights(config=config, step=step)
-    timings["broadcast_weights"] = time.perf_counter() - started
+    sampled = []
+    if config.async_.max_off_policy_steps == 0:
+        started = time.perf_counter()
+        broadcast_weights(config=config, step=step)
+        timings["broadcast_weights"] = time.perf_counter() - started
+    elif ahead:  # each sampling loads its own scheduled weights: nothing to broadcast
+        started = time.perf_counter()
+        sampled = [future.result() for future in ahead]
+        timings["wait_for_sampling"] = time.perf_counter() - started
+        reused += [f"sample_rollouts-step-{later}" for later, future in zip(sample_ahead, ahead)
+                   if future.state.name == "Cached"]
     if reused:
         logger.info("step %d: reused the finished stages %s", step, ", ".join(reused))
 
     metrics = step_metrics(step, rollouts, algorithms, aggregated, trained, timings)
     stages.write_metrics(session_for(config), step, metrics)
-    return {"step": step, "batch": batch["batch"], "weights": trained["weights"], "reused": reused, "metrics": metrics}
+    return {"step": step, "batch": batch["batch"], "weights": trained["weights"], "reused": reused, "metrics": metrics,
+            "sampled": sampled}  # the results of `sample_ahead`, in its order
 
 
 def step_metrics(step: int, rollouts: dict, algorithms: list[dict], aggregated: dict, trained: dict,

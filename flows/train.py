@@ -20,6 +20,7 @@ from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.evaluation import evaluates_at, finished_eval, tracker_metrics
 from trace_rl.run import prepare_run
+from trace_rl.schedule import sampled_while_training
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.tracking import Trackers, step_metrics
 
@@ -53,9 +54,13 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
         # an eval the last process did not finish (it died between a step and its eval)
         for step in [s for s in range(1, first) if evaluates_at(config, s) and finished_eval(storage, s) is None]:
             run_eval_of_step(config, step, bar, console, trackers)
+        sampled: dict[int, dict] = {}  # `sample_rollouts` results of steps an earlier step sampled ([async])
         for step in range(first, config.steps + 1):
             started = time.perf_counter()
-            result = train_step(config, step)
+            ahead = sampled_while_training(step, config.async_.max_off_policy_steps, max(sampled, default=step),
+                                           config.steps)
+            result = train_step(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
+            sampled.update(zip(ahead, result["sampled"]))
             metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
             rows.append(metrics)
             done.append((step, reward_mean(metrics), metrics.get("train/entropy", 0.0), metrics["time/step"],

@@ -19,6 +19,7 @@ SECTIONS = [
     ("[trainer]", c.TrainerConfig), ("[trainer.loss]", c.LossConfig), ("[ckpt]", c.CheckpointConfig),
     ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig), ("[eval]", c.EvalConfig),
     ("[logging]", c.LoggingConfig), ("[logging.mlflow]", c.MlflowConfig), ("[logging.wandb]", c.WandbConfig),
+    ("[async]", c.AsyncConfig),
 ]
 
 
@@ -45,7 +46,7 @@ def reference() -> str:
         lines += [f"### {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         fields = model.model_fields if model is not c.ExtraModelConfig else model.model_fields
         for name, field in fields.items():
-            lines.append(f"| `{name}` | {type_of(field)} | {default_of(field)} | {field.description} |")
+            lines.append(f"| `{field.alias or name}` | {type_of(field)} | {default_of(field)} | {field.description} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -221,8 +221,20 @@ class LoggingConfig(Strict):
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="[logging.wandb]")
 
 
+class AsyncConfig(Strict):
+    """`[async]`: sampling overlapped with training, with a fixed schedule of weight versions; see docs/async.md."""
+
+    max_off_policy_steps: int = Field(
+        0, ge=0, description="k: step n samples with the weights of step max(0, n - 1 - k), so sampling runs up to k "
+        "steps ahead of training; 0: synchronous (step n samples with the weights of step n - 1)")
+
+
 class Config(Strict):
     """A training run (the top level of the TOML file)."""
+
+    # `async` is a Python keyword: the field is `async_`, the TOML key `async`
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     name: str = Field(..., min_length=1, description="run name: the run lives at <storage>/<name>/")
     steps: int = Field(10, gt=0, description="training steps, numbered from 1")
@@ -246,6 +258,7 @@ class Config(Strict):
     remote: RemoteConfig = Field(default_factory=RemoteConfig, description="[remote]")
     eval: EvalConfig | None = Field(None, description="[eval]: held-out evaluation (docs/eval.md)")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="[logging]: experiment tracking")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="[async]")
 
     @field_validator("name")
     @classmethod

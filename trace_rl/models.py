@@ -8,6 +8,7 @@ in, per-token logprobs out, the first token 0).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -16,6 +17,11 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from trace_rl.config import Config
+
+# The process's global torch RNG: a trainer seeds and restores it as it is built. With `[async]` sampling runs
+# beside training in another thread; whatever draws from or seeds the global RNG holds this lock, so neither moves
+# the other's random state (the hf sampler draws from per-request generators only).
+TORCH_RNG_LOCK = threading.Lock()
 
 
 class RuntimeConfig(BaseModel):

@@ -8,16 +8,21 @@ from pydantic import BaseModel, ValidationError
 
 
 def known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names valid at `loc` (the path to the parent of an offending key; list indices skipped)."""
+    """The keys valid at `loc` (the path to the parent of an offending key; list indices skipped), as written in
+    TOML: a field's alias where it has one."""
     current: type[BaseModel] | None = model
     for part in loc:
         if isinstance(part, int):
             continue
-        field = current.model_fields.get(part) if current is not None else None
+        field = _fields_by_key(current).get(part) if current is not None else None
         if field is None:
             return []
         current = _model_in(field.annotation)
-    return list(current.model_fields) if current is not None else []
+    return list(_fields_by_key(current)) if current is not None else []
+
+
+def _fields_by_key(model: type[BaseModel]) -> dict[str, Any]:
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

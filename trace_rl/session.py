@@ -16,7 +16,8 @@ from typing import Any
 
 from trace_rl.config import Config
 from trace_rl.names import POLICY
-from trace_rl.models import ModelRuntime, build_runtime, runtime_configs
+from trace_rl.models import TORCH_RNG_LOCK, ModelRuntime, build_runtime, runtime_configs
+from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
 
 
@@ -69,8 +70,14 @@ class Session:
             await self.sync_policy(step)
         return self.runtimes
 
+    @property
+    def policy_version(self) -> int | None:
+        """The step whose weights the policy runtime runs (0: the base model; None: not loaded yet)."""
+        return self._policy_version
+
     async def sync_policy(self, step: int) -> None:
-        """Make the policy runtime run the weights step `step` samples with: `weights/<step - 1>` (step 1: the base).
+        """Make the policy runtime run the weights step `step` samples with: `weights/<v>` for the schedule's
+        v = step - 1 - `[async] max_off_policy_steps` (0 and below: the base model).
 
         The first sync of a session always loads explicitly: an in-process engine is shared by
         every session of the process and may hold another run's weights.
@@ -78,7 +85,7 @@ class Session:
         from trace_rl.inference.broadcast import broadcast_weights
         from trace_rl.hub import resolve_model_path
 
-        wanted = step - 1
+        wanted = sampling_weights(step, self.config.async_.max_off_policy_steps)
         if self._policy_version == wanted:
             return
         runtime = self.runtimes[POLICY]
@@ -95,8 +102,9 @@ class Session:
             from trace_rl.trainer.run import check_resumes_at
             from trace_rl.trainer.trainer import Trainer
 
-            trainer = Trainer(self.config, self.storage)
-            restored, _ = trainer.restore()
+            with TORCH_RNG_LOCK:
+                trainer = Trainer(self.config, self.storage)
+                restored, _ = trainer.restore()
             check_resumes_at(restored, step)
             if (restored or 0) != step - 1:
                 raise RuntimeError(

@@ -7,21 +7,24 @@ Each stage reads its inputs from the run's storage and returns a small JSON-able
 summary with the URLs it wrote, so an orchestrator (the Prefect flow in flows/step.py,
 or a plain loop in bench/step.py) passes references, never tensors or trace lists.
 Steps are numbered from 1: step `s` samples with the weights of step `s - 1` (0 is the
-base model) and writes `weights/<s>`.
+base model; with `[async]`, of an earlier step: trace_rl.schedule) and writes `weights/<s>`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
-from trace_rl.names import LOSS_NAMES
+from trace_rl.models import TORCH_RNG_LOCK
+from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
+from trace_rl.schedule import check_staleness, lag_metrics
 from trace_rl.session import Session
 from trace_rl.storage import step_name
 from trace_rl.tables import read_channels, read_traces, write_batch as write_batch_table, write_channels, write_traces
@@ -65,12 +68,19 @@ def _channels_path(session: Session, step: int, job: AlgorithmJob, suffix: str) 
 
 
 async def sample_rollouts(session: Session, step: int) -> dict:
+    """The step's traces, sampled with the weights the schedule gives it (trace_rl.schedule); `seconds` is what
+    sampling took, wherever it ran (with `[async]`, often during an earlier step's training)."""
     from trace_rl.rollouts import sample_rollouts as sample
 
+    started = time.perf_counter()
     models = await session.models_at(step)
     traces, summary = await sample(session.config, models, step)
     path = write_traces(session.storage, step, traces)
-    return {"traces": path, "summary": summary.model_dump(), "metrics": summary.metrics()}
+    metrics = summary.metrics()
+    if session.config.actor == POLICY:
+        metrics.update(lag_metrics(traces, step))
+    return {"traces": path, "summary": summary.model_dump(), "metrics": metrics,
+            "seconds": time.perf_counter() - started}
 
 
 async def compute_channels(
@@ -126,6 +136,8 @@ def _load_step(session: Session, step: int, channel_paths: list[str]) -> tuple[l
 
 def validate_dimensions(session: Session, step: int, channel_paths: list[str]) -> dict:
     traces, channels = _load_step(session, step, channel_paths)
+    if session.config.actor == POLICY:
+        check_staleness(traces, step, session.config.async_.max_off_policy_steps)
     validate_channels(traces, channels)
     return {"channels": len(channels), "branches": sum(len(t.branches) for t in traces)}
 
@@ -165,8 +177,9 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
         if not storage.is_stable(weights):
             from trace_rl.trainer.trainer import Trainer
 
-            trainer = Trainer(session.config, storage)
-            trainer.restore()
+            with TORCH_RNG_LOCK:
+                trainer = Trainer(session.config, storage)
+                trainer.restore()
             trainer.export_weights(step)
         metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
@@ -179,9 +192,9 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
 
 
 async def broadcast_weights(session: Session, step: int) -> dict:
-    """Make the sampler run the weights of `step` (the next step samples with them)."""
+    """Make the sampler run the weights step `step + 1` samples with (those of `step`, without `[async]`)."""
     await session.sync_policy(step + 1)
-    return {"policy_version": step}
+    return {"policy_version": session.policy_version}
 
 
 def algorithm_state_paths(session: Session, step: int, jobs: list[AlgorithmJob]) -> dict[str, str]:

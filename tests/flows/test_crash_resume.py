@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-def write_config(tmp_path: Path, name: str) -> Path:
+def write_config(tmp_path: Path, name: str, **overrides) -> Path:
     path = tmp_path / f"{name}.toml"
-    path.write_text(tomli_w.dumps(small_config(str(tmp_path / "runs"), name, steps=STEPS)))
+    path.write_text(tomli_w.dumps(small_config(str(tmp_path / "runs"), name, steps=STEPS, **overrides)))
     return path
 
 
@@ -83,3 +83,37 @@ def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path):
     finish(start(config, "--resume"))
     assert storage.stable_steps("weights") == [1, 2, 3]
     assert weights(tmp_path, "killed") == expected
+
+
+@pytest.mark.slow
+def test_async_run_killed_while_sampling_ahead_and_while_training_resumes_bitwise_identical(prefect_api, tmp_path):
+    """k = 1: step 3 is sampled while step 2 trains; kills land in that sampling, in step 2's checkpoint write, and
+    after step 3's traces are saved but before they are trained on (the resumed run reuses them)."""
+    one_ahead = {"async": {"max_off_policy_steps": 1}}
+    finish(start(write_config(tmp_path, "async-straight", **one_ahead)))
+    expected = weights(tmp_path, "async-straight")
+
+    config = write_config(tmp_path, "async-killed", **one_ahead)
+    storage = RunStorage(str(tmp_path / "runs"), "async-killed")
+    traces_3 = Path(storage.step_path(3, "traces.parquet"))
+
+    def sampled_3_recorded() -> bool:  # the stage's cache record: what a resumed run reuses it by
+        cache = Path(storage.path("prefect", "cache"))
+        return cache.exists() and any("000003-sample_rollouts" in p.name for p in cache.iterdir())
+
+    kill_points = [
+        ("sampling step 3 while step 2 trains",
+         lambda: storage.exists(storage.step_path(2, "batch.parquet")) and not traces_3.exists()),
+        ("during the checkpoint write of step 2", lambda: storage.exists(storage.path("checkpoints", "000002"))),
+        ("step 3 sampled, not trained", lambda: sampled_3_recorded() and not storage.exists(
+            storage.path("checkpoints", "000003"))),
+    ]
+    flags: tuple[str, ...] = ()
+    for _, ready in kill_points:
+        kill_when(start(config, *flags), ready)
+        flags = ("--resume",)
+    sampled = traces_3.stat()
+    finish(start(config, "--resume"))
+    assert (traces_3.stat().st_ino, traces_3.stat().st_mtime_ns) == (sampled.st_ino, sampled.st_mtime_ns)
+    assert storage.stable_steps("weights") == [1, 2, 3]
+    assert weights(tmp_path, "async-killed") == expected

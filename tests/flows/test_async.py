@@ -1,0 +1,142 @@
+"""`[async] max_off_policy_steps`: the schedule on every trace, sampling beside training in Prefect, replay."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+from tests.flows.conftest import small_config
+from trace_rl.loading import validate_config
+from trace_rl.schedule import sampling_weights
+from trace_rl.storage import RunStorage
+from trace_rl.tables import read_traces
+
+STEPS = 4
+
+
+def run_async(storage: str, name: str, k: int):
+    from flows.train import run_training
+
+    config = validate_config(small_config(storage, name, steps=STEPS, **{"async": {"max_off_policy_steps": k}}))
+    run_training(config)
+    return config
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["k1", "k2"])
+def async_run(request, prefect_api, tmp_path_factory):
+    return request.param, run_async(str(tmp_path_factory.mktemp("runs")), f"async-k{request.param}", request.param)
+
+
+def task_runs(api: str, flow_run_name: str) -> dict[str, dict]:
+    flow_run, = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [flow_run_name]}}}).json()
+    tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}).json()
+    return {t["name"]: t for t in tasks}
+
+
+def interval(task: dict) -> tuple[datetime, datetime]:
+    return datetime.fromisoformat(task["start_time"]), datetime.fromisoformat(task["end_time"])
+
+
+def test_every_trace_was_sampled_with_the_scheduled_weights(async_run):
+    k, config = async_run
+    storage = RunStorage(config.storage, config.name)
+    for step in range(1, STEPS + 1):
+        traces = read_traces(storage, step)
+        assert {t.policy_version for t in traces} == {sampling_weights(step, k)}, step
+        assert all(t.policy_version >= step - 1 - k for t in traces)  # never more than k versions behind
+        metrics = storage.read_json(storage.step_path(step, "metrics.json"))
+        assert metrics["async/policy_lag_max"] == step - 1 - sampling_weights(step, k)
+        assert {"train/mismatch/k3_kl", "train/mismatch/mean_abs_logprob_diff", "train/mismatch/is_capped_fraction",
+                "time/sample_rollouts", "time/train"} <= set(metrics)
+    assert storage.stable_steps("weights") == list(range(1, STEPS + 1))
+
+
+def test_later_steps_are_sampled_as_their_own_task_runs_beside_training(prefect_api, async_run):
+    k, config = async_run
+    for step in range(1, STEPS + 1):
+        tasks = task_runs(prefect_api, f"{config.name}-step-{step}")
+        assert "broadcast_weights" not in tasks
+        assert ("sample_rollouts" in tasks) == (step == 1)  # later steps start from what an earlier one sampled
+        expected = range(2, 2 + k) if step == 1 else [step + k] if step + k <= STEPS else []
+        assert sorted(name for name in tasks if "-step-" in name) == [f"sample_rollouts-step-{m}" for m in expected]
+        training = tasks["train"]
+        assert all(tasks[f"sample_rollouts-step-{m}"]["state"]["name"] == "Completed" for m in expected)
+        assert training["state"]["name"] == "Completed"
+        if expected:  # the first sampling starts beside `train` (the next ones follow it: one sampler)
+            (sample_start, sample_end), (train_start, train_end) = (
+                interval(tasks[f"sample_rollouts-step-{expected[0]}"]), interval(training))
+            assert sample_start < train_end and train_start < sample_end, f"step {step}: not concurrent"
+    metrics = RunStorage(config.storage, config.name).read_json(
+        RunStorage(config.storage, config.name).step_path(2, "metrics.json"))
+    assert metrics["time/wait_for_sampling"] >= 0
+
+
+def test_replay_of_an_async_run_reproduces_its_batches(prefect_api, async_run, tmp_path):
+    from flows.replay import replay
+    from trace_rl.algorithms.base import AlgorithmConfig
+
+    _, config = async_run
+    source = RunStorage(config.storage, config.name)
+    replay(run=source.url, algorithms=[AlgorithmConfig(id="grpo")], out=f"{tmp_path}/replayed")
+    for step in range(1, STEPS + 1):
+        original = pq.read_table(source.step_path(step, "batch.parquet"))
+        assert pq.read_table(RunStorage.from_url(f"{tmp_path}/replayed").step_path(step, "batch.parquet")).equals(
+            original)
+
+
+def test_k0_trains_the_same_weights_as_the_synchronous_library_loop(prefect_api, tmp_path):
+    """The flow with `[async] max_off_policy_steps = 0` against `run_step` step by step: bitwise the same."""
+    from flows.train import run_training
+    from trace_rl.session import Session
+    from trace_rl.step import run_step
+
+    flowed = validate_config(small_config(str(tmp_path), "k0-flow", steps=3, **{"async": {"max_off_policy_steps": 0}}))
+    run_training(flowed)
+    looped = validate_config(small_config(str(tmp_path), "k0-loop", steps=3))
+    session = Session(looped)
+    for step in (1, 2, 3):
+        run_step(session, step)
+    flow_storage, loop_storage = RunStorage(str(tmp_path), "k0-flow"), session.storage
+    for step in (1, 2, 3):
+        assert {t.policy_version for t in read_traces(flow_storage, step)} == {step - 1}
+    weights = [s.read_bytes(s.path("weights", "000003", "model.safetensors")) for s in (flow_storage, loop_storage)]
+    assert weights[0] == weights[1]
+
+
+def test_the_metrics_artifact_shows_sample_train_and_wait_times(prefect_api, async_run):
+    import json
+
+    from flows.artifacts import artifact_key
+
+    k, config = async_run
+    latest, = httpx.post(f"{prefect_api}/artifacts/filter", json={
+        "artifacts": {"key": {"any_": [artifact_key(config, "metrics")]}}, "sort": "CREATED_DESC", "limit": 1}).json()
+    table = latest["data"] if isinstance(latest["data"], list) else json.loads(latest["data"])
+    assert [row["step"] for row in table] == list(range(1, STEPS + 1))
+    for row in table:
+        assert {"time/sample_rollouts", "time/train", "async/policy_lag_max"} <= set(row)
+        # a step waits for the sampling beside it; the last k steps sample nothing beside their training
+        assert ("time/wait_for_sampling" in row) == (row["step"] + k <= STEPS or row["step"] == 1 and k < STEPS)
+
+
+@pytest.mark.slow
+def test_the_async_demo_config_learns_on_cpu(tmp_path):
+    """configs/async.toml (k = 1) on the hf sampler for 10 of its steps: the reward rises. The library loop samples
+    each step with the same scheduled weights as the flow, so it learns the same."""
+    from pathlib import Path
+
+    from trace_rl.loading import load_config
+    from trace_rl.session import Session
+    from trace_rl.step import run_step
+
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "async.toml",
+                         [f"storage={tmp_path}", "inference.backend=hf", "steps=10"])
+    assert config.async_.max_off_policy_steps == 1
+    session = Session(config)
+    rewards = [run_step(session, step)["rollouts"]["metrics"]["rollouts/reverse-text/reward_mean"]
+               for step in range(1, 11)]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, rewards
