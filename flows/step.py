@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
+from prefect.cache_policies import NO_CACHE
 
 from tasks.aggregate_channels import aggregate_channels
 from tasks.broadcast_weights import broadcast_weights
@@ -26,11 +27,11 @@ def train_step(config: Config, step: int) -> dict:
     timings: dict[str, float] = {}
     reused: list[str] = []
 
-    def run(task, label: str, **kwargs):
+    def run(task, label: str, options: dict = resumable, **kwargs):
         started = time.perf_counter()
-        state = task.with_options(**resumable)(config=config, step=step, return_state=True, **kwargs)
+        state = task.with_options(**options)(config=config, step=step, return_state=True, **kwargs)
         timings[label] = time.perf_counter() - started
-        if state.name == "Cached":
+        if state.name == "Cached" or (state.name == "Completed" and state.result().get("reused_checkpoint")):
             reused.append(label)
         return state.result()  # raises the stage's error if it failed
 
@@ -41,7 +42,10 @@ def train_step(config: Config, step: int) -> dict:
     run(validate_dimensions, "validate_dimensions", channel_paths=paths)
     aggregated = run(aggregate_channels, "aggregate_channels", channel_paths=paths)
     batch = run(write_batch, "write_batch", channel_paths=paths)
-    trained = run(train, "train", algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
+    # never from Prefect's cache: with ckpt.interval > 1 a resume re-trains steps whose train task once finished
+    # (the trainer's state is the newest checkpoint's); `train` itself reuses a step's checkpoint when it exists
+    trained = run(train, "train", options={**resumable, "cache_policy": NO_CACHE},
+                  algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
     started = time.perf_counter()
     broadcast_weights(config=config, step=step)
     timings["broadcast_weights"] = time.perf_counter() - started

@@ -159,10 +159,13 @@ class TrainerConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    """`[ckpt]`: which checkpoints stay (weights/<step> stay for every step)."""
+    """`[ckpt]`: how often full checkpoints are written and how many checkpoints and weights stay (docs/trainer.md)."""
 
-    keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints")
-    interval: int = Field(0, ge=0, description="also keep every interval-th checkpoint (0: none)")
+    keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints and the last `keep` weights/<step> "
+                      "(plus the weights of each kept checkpoint's step, which a resume samples with)")
+    interval: int = Field(1, ge=1, description="write a full checkpoint (model, optimizer, RNG) every interval-th "
+                          "step and at the last step; weights/<step> are written every step. A resume re-runs the "
+                          "steps after the newest checkpoint")
 
 
 class RemoteConfig(Strict):

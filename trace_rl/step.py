@@ -105,13 +105,17 @@ async def run_algorithm(session: Session, step: int, job: AlgorithmJob) -> dict:
 
 
 def previous_algorithm_state(session: Session, step: int, job: AlgorithmJob) -> dict:
-    """The algorithm's state after step `step - 1`, from that step's checkpoint (empty at the first step)."""
+    """The algorithm's state after step `step - 1` (empty at the first step): from that step's checkpoint, or,
+    for a step without one (`ckpt.interval` > 1), from the state file its run_algorithm stage wrote."""
     if step <= 1:
         return {}
-    from trace_rl.trainer.checkpoint import load_part
+    from trace_rl.trainer.checkpoint import checkpoint_dir, load_part
 
-    extra = load_part(session.storage, step - 1, "extra_state") or {}
-    return extra.get("algorithms", {}).get(job.key, {})
+    if session.storage.is_stable(checkpoint_dir(session.storage, step - 1)):
+        extra = load_part(session.storage, step - 1, "extra_state") or {}
+        return extra.get("algorithms", {}).get(job.key, {})
+    path = _channels_path(session, step - 1, job, "state.json")
+    return session.storage.read_json(path) if session.storage.exists(path) else {}
 
 
 def _load_step(session: Session, step: int, channel_paths: list[str]) -> tuple[list[Trace], list[Channel]]:

@@ -37,9 +37,15 @@ def check_resumes_at(restored: int | None, step: int) -> None:
 
 
 def train_in_process(trainer, storage: RunStorage, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
+    """Train the step; write its checkpoint if `ckpt.interval` says so, its weights, then prune old ones."""
+    from trace_rl.trainer.checkpoint import prune, writes_checkpoint
+
     metrics = trainer.train_step(step, read_batch(storage, step))
-    trainer.save_checkpoint(step, extra_state)
+    if writes_checkpoint(trainer.config, step):
+        trainer.save_checkpoint(step, extra_state)
     trainer.export_weights(step)
+    if trainer.rank == 0:
+        prune(storage, step, trainer.config.ckpt.keep)
     return metrics
 
 

@@ -38,7 +38,6 @@ from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, block_causal_mask, pack
 
-WEIGHTS = "weights"
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -343,7 +342,7 @@ class Trainer:
                 "trainer": {"step": step, "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state()},
                 "extra_state": dict(extra_state or {}),
             }
-            directory = checkpoint.save_checkpoint(self.storage, step, parts, self.config.ckpt)
+            directory = checkpoint.save_checkpoint(self.storage, step, parts)
         if self.distributed:
             dist.barrier()
         return directory
@@ -384,7 +383,7 @@ class Trainer:
         for alias in self._tied_aliases():
             state.pop(alias, None)
         state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
-        directory = self.storage.path(WEIGHTS, step_name(step))
+        directory = self.storage.path(checkpoint.WEIGHTS, step_name(step))
         if self.rank == 0:
             with tempfile.TemporaryDirectory(prefix="trace-rl-weights-") as staging:
                 self.module.save_pretrained(staging, state_dict=state, safe_serialization=True)
