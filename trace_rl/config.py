@@ -155,6 +155,9 @@ class TrainerConfig(Strict):
     num_processes: int = Field(1, gt=0, description="torchrun workers; > 1 launches the trainer as a subprocess")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="with num_processes > 1: DDP or FSDP2 (fully_shard)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder block's activations in backward instead of keeping them "
+        "(less memory, ~1/3 more compute); single process, DDP and FSDP")
     loss: LossConfig = Field(default_factory=LossConfig, description="[trainer.loss]")
 
 
