@@ -152,7 +152,8 @@ class TrainerConfig(Strict):
     micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
-    num_processes: int = Field(1, gt=0, description="torchrun workers; > 1 launches the trainer as a subprocess")
+    num_processes: int = Field(1, gt=0, description="torchrun workers; > 1: started once per run and kept up "
+                               "across steps (docs/trainer.md)")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="with num_processes > 1: DDP or FSDP2 (fully_shard)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     activation_checkpointing: bool = Field(

@@ -88,7 +88,16 @@ class Session:
         self._policy_version = wanted
 
     def trainer_at(self, step: int):
-        """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint."""
+        """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint.
+
+        With `trainer.num_processes > 1`: the run's torchrun workers, started at their first step and kept up
+        (they restore or restart themselves, see `trace_rl.trainer.workers`)."""
+        if self.config.trainer.num_processes > 1:
+            if self._trainer is None:
+                from trace_rl.trainer.workers import TrainerWorkers
+
+                self._trainer = TrainerWorkers(self.config, self.storage)
+            return self._trainer
         if self._trainer is None or self._trainer_step != step - 1:
             from trace_rl.trainer.run import check_resumes_at
             from trace_rl.trainer.trainer import Trainer

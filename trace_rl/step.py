@@ -175,8 +175,8 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
         metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
     states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
-    trainer = session.trainer_at(step) if session.config.trainer.num_processes == 1 else None
-    metrics = train_one_step(session.config, storage, step, trainer=trainer, extra_state={"algorithms": states})
+    metrics = train_one_step(session.config, storage, step, trainer=session.trainer_at(step),
+                             extra_state={"algorithms": states})
     session.trained(step)
     storage.write_json(metrics_path, metrics)
     return {"weights": weights, "metrics": metrics}
