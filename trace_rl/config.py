@@ -97,7 +97,13 @@ class InferenceConfig(Strict):
     max_num_batched_tokens: int | None = Field(
         None, gt=0, description="vLLM's token budget per engine step (default: vLLM's; on CPU at least max_model_len,"
         " since chunked prefill is off there, see docs/inference.md)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="GPU memory share of all in-process vLLM engines together, split equally "
+        "among the engines the run starts (GPU only; docs/scaling.md)")
+    colocate: bool | None = Field(
+        None, description="in-process vLLM engines sleep (level 1: weights to CPU, KV cache freed) while the trainer "
+        "runs and wake up for the weight load after it; default: true when they share a CUDA device with the "
+        "trainer")
     cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation (faster start)")
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from trace_rl.colocation import models_in_use
 from trace_rl.config import Config
 from trace_rl.names import POLICY
 from trace_rl.models import ModelRuntime, build_runtime, runtime_configs
@@ -46,6 +47,9 @@ class LazyRuntimes(Mapping):
     def is_built(self, key: str) -> bool:
         return key in self._built
 
+    def built(self) -> list[ModelRuntime]:
+        return list(self._built.values())
+
     @property
     def configs(self):
         return self._configs
@@ -56,6 +60,7 @@ class Session:
         self.config = config
         self.storage = RunStorage(config.storage, config.name, config.storage_options)
         self.runtimes = LazyRuntimes(config)
+        self.uses_policy = POLICY in models_in_use(config)  # else no policy engine is started, nor reloaded
         self._trainer = None
         self._trainer_step: int | None = None
         self._policy_version: int | None = None
@@ -66,6 +71,23 @@ class Session:
         if self.config.actor == POLICY or self.runtimes.is_built(POLICY):
             await self.sync_policy(step)
         return self.runtimes
+
+    async def sleep_engines(self) -> None:
+        """Colocated in-process vLLM engines free the GPU for the trainer (a no-op for any other runtime)."""
+        for runtime in self.runtimes.built():
+            if hasattr(runtime, "sleep"):
+                await runtime.sleep()
+
+    async def wake_engines(self) -> None:
+        for runtime in self.runtimes.built():
+            if hasattr(runtime, "wake_up"):
+                await runtime.wake_up()
+
+    async def after_training(self, step: int) -> None:
+        """The engines take the GPU back; the policy's (if the run uses one) loads the weights of `step`."""
+        await self.wake_engines()
+        if self.uses_policy or self.runtimes.is_built(POLICY):
+            await self.sync_policy(step + 1)
 
     async def sync_policy(self, step: int) -> None:
         """Make the policy runtime run the weights step `step` samples with: `weights/<step - 1>` (step 1: the base).

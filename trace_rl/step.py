@@ -175,6 +175,7 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
         metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
     states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
+    run_sync(session.sleep_engines())
     metrics = train_one_step(session.config, storage, step, trainer=session.trainer_at(step),
                              extra_state={"algorithms": states})
     session.trained(step)
@@ -183,8 +184,9 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
 
 
 async def broadcast_weights(session: Session, step: int) -> dict:
-    """Make the sampler run the weights of `step` (the next step samples with them)."""
-    await session.sync_policy(step + 1)
+    """Make the sampler run the weights of `step` (the next step samples with them), after waking the engines
+    that slept for a colocated trainer."""
+    await session.after_training(step)
     return {"policy_version": step}
 
 
