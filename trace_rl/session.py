@@ -67,7 +67,8 @@ class Session:
         self.cache: dict[Any, Any] = {}
 
     async def models_at(self, step: int) -> LazyRuntimes:
-        """The runtimes, with the policy (if built or the actor) sampling the weights that step `step` uses."""
+        """The runtimes, awake, with the policy (if built or the actor) sampling the weights that step `step` uses."""
+        await self.wake_engines()  # asleep only if a step failed between its train and broadcast stages
         if self.config.actor == POLICY or self.runtimes.is_built(POLICY):
             await self.sync_policy(step)
         return self.runtimes

@@ -412,6 +412,9 @@ class VLLMEngineRuntime:
     async def wake_up(self) -> None:
         """Take the GPU back after the trainer: weights back from CPU memory, a fresh KV cache."""
         if self.worker.asleep:
+            import torch
+
+            torch.cuda.empty_cache()  # an in-process trainer's allocator keeps the step's freed activations cached
             await self.worker.wait(self.worker.call(lambda llm: llm.wake_up()), self.config.reload_timeout_s,
                                    "wake up")
             self.worker.asleep = False
