@@ -60,7 +60,7 @@ def train_one_step(
     if config.trainer.num_processes > 1:
         from trace_rl.trainer.workers import TrainerWorkers
 
-        if trainer is not None:  # the run's persistent workers
+        if isinstance(trainer, TrainerWorkers):  # the run's persistent workers
             return trainer.train(step, extra_state)
         with TrainerWorkers(config, storage) as workers:
             return workers.train(step, extra_state)
