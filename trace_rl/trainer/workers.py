@@ -34,7 +34,7 @@ from typing import Any, Self
 from trace_rl import processes
 from trace_rl.config import Config
 from trace_rl.credentials import REVEAL
-from trace_rl.storage import RunStorage
+from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer.run import TrainerError, check_resumes_at
 
 POLL_S = 0.02
@@ -119,6 +119,9 @@ class TrainerWorkers:
         except TrainerError:
             self.stop()
             raise
+        weights = self.storage.path("weights", step_name(step))
+        if not self.storage.is_stable(weights):  # rank 0 writes its result after the STABLE markers
+            raise TrainerError(f"trainer workers reported step {step} done, but {weights} is not STABLE")
         self.step = step
         return metrics
 
