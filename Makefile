@@ -3,7 +3,7 @@ VENV := .venv
 SPEC_HASH := $(shell cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(SPEC_HASH)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: setup $(BENCH_STAMP)
 	$(VENV)/bin/python -m bench.run_all
+
+# needs a CUDA GPU: trace-rl and TRL on a Qwen2.5-0.5B-shaped model, figures into bench/RESULTS-gpu.md
+bench-gpu: setup $(BENCH_STAMP)
+	$(VENV)/bin/python -m bench.gpu --out bench/RESULTS-gpu.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
+from prefect.cache_policies import NO_CACHE
 
 from tasks.aggregate_channels import aggregate_channels
 from tasks.broadcast_weights import broadcast_weights
@@ -33,11 +34,11 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     timings: dict[str, float] = {}
     reused: list[str] = []
 
-    def run(task, label: str, **kwargs):
+    def run(task, label: str, options: dict = resumable, **kwargs):
         started = time.perf_counter()
-        state = task.with_options(**resumable)(config=config, step=step, return_state=True, **kwargs)
+        state = task.with_options(**options)(config=config, step=step, return_state=True, **kwargs)
         timings[label] = time.perf_counter() - started
-        if state.name == "Cached":
+        if state.name == "Cached" or (state.name == "Completed" and state.result().get("reused_checkpoint")):
             reused.append(label)
         return state.result()  # raises the stage's error if it failed
 
@@ -55,7 +56,10 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     for later in sample_ahead or []:  # one after the other: each loads its own weights into the one sampler
         ahead.append(sample_rollouts.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(
             config=config, step=later, wait_for=ahead[-1:]))
-    trained = run(train, "train", algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
+    # never from Prefect's cache: with ckpt.interval > 1 a resume re-trains steps whose train task once finished
+    # (the trainer's state is the newest checkpoint's); `train` itself reuses a step's checkpoint when it exists
+    trained = run(train, "train", options={**resumable, "cache_policy": NO_CACHE},
+                  algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
     sampled = []
     if config.async_.max_off_policy_steps == 0:
         started = time.perf_counter()

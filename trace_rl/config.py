@@ -97,7 +97,13 @@ class InferenceConfig(Strict):
     max_num_batched_tokens: int | None = Field(
         None, gt=0, description="vLLM's token budget per engine step (default: vLLM's; on CPU at least max_model_len,"
         " since chunked prefill is off there, see docs/inference.md)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="GPU memory share of all in-process vLLM engines together, split equally "
+        "among the engines the run starts (GPU only; docs/scaling.md)")
+    colocate: bool | None = Field(
+        None, description="in-process vLLM engines sleep (level 1: weights to CPU, KV cache freed) while the trainer "
+        "runs and wake up for the weight load after it; default: true when they share a CUDA device with the "
+        "trainer")
     cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation (faster start)")
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
@@ -152,17 +158,25 @@ class TrainerConfig(Strict):
     micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
-    num_processes: int = Field(1, gt=0, description="torchrun workers; > 1 launches the trainer as a subprocess")
+    num_processes: int = Field(1, gt=0, description="torchrun workers; > 1: started once per run and kept up "
+                               "across steps (docs/trainer.md)")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="with num_processes > 1: DDP or FSDP2 (fully_shard)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder block's activations in backward instead of keeping them "
+        "(less memory, ~1/3 more compute); single process, DDP and FSDP")
     loss: LossConfig = Field(default_factory=LossConfig, description="[trainer.loss]")
 
 
 class CheckpointConfig(Strict):
-    """`[ckpt]`: which checkpoints stay (weights/<step> stay for every step)."""
+    """`[ckpt]`: how often full checkpoints are written and how many checkpoints and weights stay (docs/trainer.md)."""
 
-    keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints")
-    interval: int = Field(0, ge=0, description="also keep every interval-th checkpoint (0: none)")
+    keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints and the last `keep` weights/<step> "
+                      "(plus the weights a resume from a kept checkpoint samples with; with [async] the "
+                      "max_off_policy_steps weights before it too)")
+    interval: int = Field(1, ge=1, description="write a full checkpoint (model, optimizer, RNG) every interval-th "
+                          "step and at the last step; weights/<step> are written every step. A resume re-runs the "
+                          "steps after the newest checkpoint")
 
 
 class RemoteConfig(Strict):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_rl.algorithms.check import check_algorithms
+from trace_rl.colocation import check_colocation
 from trace_rl.config import Config, ConfigError, parse_config, read_config_data
 from trace_rl.envs.base import check_envs
 from trace_rl.hub import check_models
@@ -23,6 +24,8 @@ def check_config(config: Config) -> Config:
     """The config itself if every check passes; else one ConfigError listing each problem with its fix."""
     problems = check_envs(config) + check_algorithms(config) + check_models(config) + check_stop_tokens(config)
     problems += check_trackers(config)
+    if not problems:  # which engines exist depends on valid algorithm options
+        problems = check_colocation(config)
     if problems:
         raise ConfigError(problems)
     return config

@@ -39,7 +39,8 @@ class RuntimeConfig(BaseModel):
     max_num_batched_tokens: int | None = None
     seed: int = 0
     cpu_kv_cache_gb: float = 1.0
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # this engine's share of the GPU (trace_rl.colocation.memory_shares)
+    sleep_mode: bool = False  # start vLLM with sleep mode: it sleeps while a colocated trainer runs (GPU only)
     enforce_eager: bool = True
     request_timeout_s: float = 120.0
     stop_tokens: list[str] | None = None  # None: the tokenizer's eos token
@@ -137,16 +138,23 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
+def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[str, RuntimeConfig]:
     """One RuntimeConfig per model key: `policy` from [model] + [inference], others from [models.<key>].
 
     An extra model named plain `tiny` gets its own seed (`seed`, default the run seed + 1),
     so a tiny reference differs from the tiny policy; the policy's name is kept verbatim,
-    exactly as the trainer resolves it.
+    exactly as the trainer resolves it. Each in-process vLLM engine gets its share of
+    `inference.gpu_memory_utilization`, and sleep mode when colocated with the trainer
+    (`trace_rl.colocation`; `cuda_available` None: ask torch).
     """
+    from trace_rl import colocation
     from trace_rl.names import POLICY
 
     inference = config.inference
+    if cuda_available is None:
+        cuda_available = colocation.cuda_available()
+    shares = colocation.memory_shares(config)
+    sleep_mode = colocation.colocated(config, cuda_available)
     engine = {
         "backend": inference.backend,
         "max_model_len": inference.max_model_len,
@@ -157,6 +165,7 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
         "request_timeout_s": inference.request_timeout_s,
         "reload_timeout_s": inference.reload_timeout_s,
         "seed": config.seed,
+        "sleep_mode": sleep_mode,
     }
     configs = {
         POLICY: RuntimeConfig(
@@ -166,7 +175,7 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
             dtype=config.model.dtype,
             base_urls=[inference.base_url] if inference.base_url else [],
             stop_tokens=config.model.stop_tokens,
-            **engine,
+            **{**engine, "gpu_memory_utilization": shares.get(POLICY, inference.gpu_memory_utilization)},
         )
     }
     for key, model in config.models.items():
@@ -175,7 +184,8 @@ def runtime_configs(config: Config) -> dict[str, RuntimeConfig]:
         urls = [model.base_url] if isinstance(model.base_url, str) else list(model.base_url or [])
         configs[key] = RuntimeConfig(
             key=key, name=name, revision=model.revision, dtype=model.dtype, tokens=model.tokens, base_urls=urls,
-            stop_tokens=model.stop_tokens, **{**engine, "seed": seed}
+            stop_tokens=model.stop_tokens,
+            **{**engine, "seed": seed, "gpu_memory_utilization": shares.get(key, inference.gpu_memory_utilization)}
         )
     return configs
 

@@ -43,8 +43,12 @@ def progress_bars() -> None:
 
 
 def stop_engines() -> None:
-    """Stop this process's vLLM engines (if any started) before it exits."""
+    """Stop this process's vLLM engines and torchrun trainer workers (if any started) before it exits."""
     if "trace_rl.inference.vllm_engine" in sys.modules:
         from trace_rl.inference.vllm_engine import shutdown_engines
 
         shutdown_engines()
+    if "trace_rl.trainer.workers" in sys.modules:
+        from trace_rl.trainer.workers import stop_all
+
+        stop_all()

@@ -65,6 +65,9 @@ ARCHITECTURE = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
 }
+# Qwen2.5-0.5B's shape (494M parameters), for benchmarks at full size (bench/gpu.py); tests use ARCHITECTURE
+QWEN25_05B = {**ARCHITECTURE, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+              "num_attention_heads": 14, "num_key_value_heads": 2}
 BPE_VOCAB = 4000
 # Embedding dimension 0 is shifted up for every token the tokenizer has and set far below zero for
 # the rows past it (which are never inputs): with tied embeddings that makes the ids a real model
@@ -84,30 +87,31 @@ def repo_folder(cache_root: Path, repo_id: str = REPO_ID) -> Path:
     return Path(cache_root) / ("models--" + repo_id.replace("/", "--"))
 
 
-def fixture_commit(seed: int = 0) -> str:
+def fixture_commit(seed: int = 0, architecture: dict = ARCHITECTURE) -> str:
     """The fixture's 40-hex commit hash: a digest of everything that determines its bytes."""
     spec = {"version": FIXTURE_VERSION, "seed": seed, "vocab_size": VOCAB_SIZE, "bpe_vocab": BPE_VOCAB,
             "offsets": [USED_ROW_OFFSET, UNUSED_ROW_VALUE], "generation": GENERATION_DEFAULTS,
-            "template": chat_template(), **ARCHITECTURE}
+            "template": chat_template(), **architecture}
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def build_realistic_model(
-    cache_root: Path, repo_id: str = REPO_ID, revision_name: str = "main", seed: int = 0
+    cache_root: Path, repo_id: str = REPO_ID, revision_name: str = "main", seed: int = 0,
+    architecture: dict = ARCHITECTURE,
 ) -> Path:
     """Build (once) the fixture into the hub cache at `cache_root` and return its snapshot directory.
 
     The snapshot is staged in a temporary directory and moved into place with `os.replace`, then
     `refs/<revision_name>` is written (also atomically), so a reader never sees half a model.
     """
-    commit = fixture_commit(seed)
+    commit = fixture_commit(seed, architecture)
     repo = repo_folder(cache_root, repo_id)
     snapshot = repo / "snapshots" / commit
     if not (snapshot / "model.safetensors").exists():
         repo.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=repo))
         try:
-            write_model_files(staging / "files", seed)
+            write_model_files(staging / "files", seed, architecture)
             link_snapshot(staging / "files", staging / "snapshot", repo / "blobs")
             (repo / "snapshots").mkdir(exist_ok=True)
             try:
@@ -144,7 +148,7 @@ def link_snapshot(files: Path, snapshot: Path, blobs: Path) -> None:
         (snapshot / path.name).symlink_to(Path("..", "..", "blobs", digest))
 
 
-def write_model_files(directory: Path, seed: int) -> None:
+def write_model_files(directory: Path, seed: int, architecture: dict = ARCHITECTURE) -> None:
     """config.json, model.safetensors, tokenizer files and generation_config.json into `directory`."""
     directory.mkdir(parents=True)
     tokenizer = build_tokenizer(seed)
@@ -162,14 +166,14 @@ def write_model_files(directory: Path, seed: int) -> None:
         "eos_token_id": ids["<|im_end|>"],
         "hidden_act": "silu",
         "initializer_range": 0.02,
-        "max_window_layers": ARCHITECTURE["num_hidden_layers"],
+        "max_window_layers": architecture["num_hidden_layers"],
         "rope_scaling": None,
-        "sliding_window": ARCHITECTURE["max_position_embeddings"],
+        "sliding_window": architecture["max_position_embeddings"],
         "use_sliding_window": False,
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": VOCAB_SIZE,
-        **ARCHITECTURE,
+        **architecture,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {

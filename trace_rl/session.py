@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from trace_rl.colocation import models_in_use
 from trace_rl.config import Config
 from trace_rl.names import POLICY
 from trace_rl.models import TORCH_RNG_LOCK, ModelRuntime, build_runtime, runtime_configs
@@ -49,6 +50,9 @@ class LazyRuntimes(Mapping):
     def is_built(self, key: str) -> bool:
         return key in self._built
 
+    def built(self) -> list[ModelRuntime]:
+        return list(self._built.values())
+
     @property
     def configs(self):
         return self._configs
@@ -59,13 +63,15 @@ class Session:
         self.config = config
         self.storage = RunStorage(config.storage, config.name, config.storage_options)
         self.runtimes = LazyRuntimes(config)
+        self.uses_policy = POLICY in models_in_use(config)  # else no policy engine is started, nor reloaded
         self._trainer = None
         self._trainer_step: int | None = None
         self._policy_version: int | None = None
         self.cache: dict[Any, Any] = {}
 
     async def models_at(self, step: int) -> LazyRuntimes:
-        """The runtimes, with the policy (if built or the actor) sampling the weights that step `step` uses."""
+        """The runtimes, awake, with the policy (if built or the actor) sampling the weights that step `step` uses."""
+        await self.wake_engines()  # asleep only if a step failed between its train and broadcast stages
         if self.config.actor == POLICY or self.runtimes.is_built(POLICY):
             await self.sync_policy(step)
         return self.runtimes
@@ -74,6 +80,23 @@ class Session:
     def policy_version(self) -> int | None:
         """The step whose weights the policy runtime runs (0: the base model; None: not loaded yet)."""
         return self._policy_version
+
+    async def sleep_engines(self) -> None:
+        """Colocated in-process vLLM engines free the GPU for the trainer (a no-op for any other runtime)."""
+        for runtime in self.runtimes.built():
+            if hasattr(runtime, "sleep"):
+                await runtime.sleep()
+
+    async def wake_engines(self) -> None:
+        for runtime in self.runtimes.built():
+            if hasattr(runtime, "wake_up"):
+                await runtime.wake_up()
+
+    async def after_training(self, step: int) -> None:
+        """The engines take the GPU back; the policy's (if the run uses one) loads the weights of `step`."""
+        await self.wake_engines()
+        if self.uses_policy or self.runtimes.is_built(POLICY):
+            await self.sync_policy(step + 1)
 
     async def sync_policy(self, step: int) -> None:
         """Make the policy runtime run the weights step `step` samples with: `weights/<v>` for the schedule's
@@ -97,7 +120,16 @@ class Session:
         self._policy_version = wanted
 
     def trainer_at(self, step: int):
-        """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint."""
+        """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint.
+
+        With `trainer.num_processes > 1`: the run's torchrun workers, started at their first step and kept up
+        (they restore or restart themselves, see `trace_rl.trainer.workers`)."""
+        if self.config.trainer.num_processes > 1:
+            if self._trainer is None:
+                from trace_rl.trainer.workers import TrainerWorkers
+
+                self._trainer = TrainerWorkers(self.config, self.storage)
+            return self._trainer
         if self._trainer is None or self._trainer_step != step - 1:
             from trace_rl.trainer.run import check_resumes_at
             from trace_rl.trainer.trainer import Trainer

@@ -115,13 +115,17 @@ async def run_algorithm(session: Session, step: int, job: AlgorithmJob) -> dict:
 
 
 def previous_algorithm_state(session: Session, step: int, job: AlgorithmJob) -> dict:
-    """The algorithm's state after step `step - 1`, from that step's checkpoint (empty at the first step)."""
+    """The algorithm's state after step `step - 1` (empty at the first step): from that step's checkpoint, or,
+    for a step without one (`ckpt.interval` > 1), from the state file its run_algorithm stage wrote."""
     if step <= 1:
         return {}
-    from trace_rl.trainer.checkpoint import load_part
+    from trace_rl.trainer.checkpoint import checkpoint_dir, load_part
 
-    extra = load_part(session.storage, step - 1, "extra_state") or {}
-    return extra.get("algorithms", {}).get(job.key, {})
+    if session.storage.is_stable(checkpoint_dir(session.storage, step - 1)):
+        extra = load_part(session.storage, step - 1, "extra_state") or {}
+        return extra.get("algorithms", {}).get(job.key, {})
+    path = _channels_path(session, step - 1, job, "state.json")
+    return session.storage.read_json(path) if session.storage.exists(path) else {}
 
 
 def _load_step(session: Session, step: int, channel_paths: list[str]) -> tuple[list[Trace], list[Channel]]:
@@ -184,16 +188,18 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
         metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
     states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
-    trainer = session.trainer_at(step) if session.config.trainer.num_processes == 1 else None
-    metrics = train_one_step(session.config, storage, step, trainer=trainer, extra_state={"algorithms": states})
+    run_sync(session.sleep_engines())
+    metrics = train_one_step(session.config, storage, step, trainer=session.trainer_at(step),
+                             extra_state={"algorithms": states})
     session.trained(step)
     storage.write_json(metrics_path, metrics)
     return {"weights": weights, "metrics": metrics}
 
 
 async def broadcast_weights(session: Session, step: int) -> dict:
-    """Make the sampler run the weights step `step + 1` samples with (those of `step`, without `[async]`)."""
-    await session.sync_policy(step + 1)
+    """Make the sampler run the weights step `step + 1` samples with (those of `step`, without `[async]`), after
+    waking the engines that slept for a colocated trainer."""
+    await session.after_training(step)
     return {"policy_version": session.policy_version}
 
 

@@ -69,6 +69,11 @@ class Algorithm:
         """Problems with using this algorithm in `run_config` (a trace_rl.config.Config), checked at load time."""
         return []
 
+    @classmethod
+    def models_used(cls, options: BaseModel) -> set[str]:
+        """Keys of the model runtimes `setup` binds: the engines a run starts for this algorithm. Default: none."""
+        return set()
+
     async def setup(self, models: Mapping[str, Any]) -> None:
         """Bind model runtimes by key (`policy`, `reference`, ...). Default: none needed."""
 

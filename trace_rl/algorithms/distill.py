@@ -63,6 +63,10 @@ class TeacherDistillation(Algorithm):
             return [f"models.{key} must set tokens = true: its logprobs of the sampled tokens are the teacher signal"]
         return []
 
+    @classmethod
+    def models_used(cls, options: DistillOptions) -> set[str]:
+        return {options.model}
+
     async def setup(self, models: Mapping[str, Any]) -> None:
         if self.options.model not in models:
             raise AlgorithmError(

@@ -76,6 +76,7 @@ def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
             )
     else:
         arguments["gpu_memory_utilization"] = config.gpu_memory_utilization
+        arguments["enable_sleep_mode"] = config.sleep_mode
     return arguments
 
 
@@ -146,6 +147,7 @@ class EngineWorker:
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._error: EngineDeadError | None = None
+        self.asleep = False  # slept at level 1 for a colocated trainer (VLLMEngineRuntime.sleep)
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self._log = EngineLog(config.key)
@@ -325,7 +327,7 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
     replaced by a new one.
     """
     key = (config.key, resolve_model_path(config.name, config.revision), config.dtype, config.max_model_len,
-           config.max_num_batched_tokens, config.enforce_eager)
+           config.max_num_batched_tokens, config.enforce_eager, config.sleep_mode)
     with ENGINES_LOCK:
         if key in ENGINES and ENGINES[key]._error is not None:
             del ENGINES[key]
@@ -398,6 +400,24 @@ class VLLMEngineRuntime:
 
         await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
         self.policy_version = version
+
+    async def sleep(self) -> None:
+        """Free the GPU for a colocated trainer: level 1 moves the weights to CPU memory and drops the KV cache.
+        Nothing to do without sleep mode (on CPU, or not colocated)."""
+        if self.config.sleep_mode and not self.worker.asleep:
+            await self.worker.wait(self.worker.call(lambda llm: llm.sleep(level=1)), self.config.reload_timeout_s,
+                                   "sleep")
+            self.worker.asleep = True
+
+    async def wake_up(self) -> None:
+        """Take the GPU back after the trainer: weights back from CPU memory, a fresh KV cache."""
+        if self.worker.asleep:
+            import torch
+
+            torch.cuda.empty_cache()  # an in-process trainer's allocator keeps the step's freed activations cached
+            await self.worker.wait(self.worker.call(lambda llm: llm.wake_up()), self.config.reload_timeout_s,
+                                   "wake up")
+            self.worker.asleep = False
 
 
 FULL_DISTRIBUTION_MAX_VOCAB = 32768

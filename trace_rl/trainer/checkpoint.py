@@ -9,7 +9,8 @@ A checkpoint holds one torch file per part:
 
 Parts are staged in a local directory and uploaded through `RunStorage`, whose
 `upload_dir` writes the STABLE marker after the last file; a reader only ever
-sees complete checkpoints.
+sees complete checkpoints. A checkpoint is written every `ckpt.interval`-th step
+(weights every step); `prune` keeps the last `ckpt.keep` of each.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trace_rl.config import CheckpointConfig
+from trace_rl.config import Config
 from trace_rl.storage import RunStorage, step_name
 
 KIND = "checkpoints"
+WEIGHTS = "weights"
 PARTS = ("model", "optimizer", "trainer", "extra_state")
 
 
@@ -53,8 +55,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(storage: RunStorage, step: int, parts: dict[str, Any], ckpt: CheckpointConfig) -> str:
-    """Write the parts, mark the checkpoint STABLE, then prune old ones. Returns its directory."""
+def writes_checkpoint(config: Config, step: int) -> bool:
+    """A full checkpoint is written every `ckpt.interval`-th step and at the run's last step."""
+    return step % config.ckpt.interval == 0 or step == config.steps
+
+
+def save_checkpoint(storage: RunStorage, step: int, parts: dict[str, Any]) -> str:
+    """Write the parts and mark the checkpoint STABLE. Returns its directory."""
     missing = set(PARTS) - set(parts)
     if missing:
         raise ValueError(f"checkpoint for step {step} lacks parts {sorted(missing)}")
@@ -66,7 +73,6 @@ def save_checkpoint(storage: RunStorage, step: int, parts: dict[str, Any], ckpt:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         storage.upload_dir(staging, directory)
-    prune_checkpoints(storage, step, ckpt)
     return directory
 
 
@@ -76,23 +82,29 @@ def load_part(storage: RunStorage, step: int, name: str) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=name != "extra_state")
 
 
-def kept_steps(steps: list[int], ckpt: CheckpointConfig) -> set[int]:
-    """The last `ckpt.keep` steps, plus every `ckpt.interval`-th one."""
-    kept = set(sorted(steps)[-ckpt.keep :])
-    if ckpt.interval:
-        kept |= {s for s in steps if s % ckpt.interval == 0}
-    return kept
+def kept_steps(checkpoints: list[int], weights: list[int], keep: int, lag: int = 0) -> tuple[set[int], set[int]]:
+    """(checkpoint steps, weights steps) to keep: the last `keep` of each, plus the weights the steps after a
+    kept checkpoint sample with. Step `s` samples with `weights/<s - 1 - lag>` (`lag`: `[async]
+    max_off_policy_steps`), so a resume from checkpoint `c` needs `weights/<c - lag>` .. `weights/<c>`, and
+    the steps still to come need the last `keep + lag` weights."""
+    kept_checkpoints = set(sorted(checkpoints)[-keep:])
+    resumable = {w for w in weights if any(c - lag <= w <= c for c in kept_checkpoints)}
+    return kept_checkpoints, set(sorted(weights)[-(keep + lag):]) | resumable
 
 
-def prune_checkpoints(storage: RunStorage, current: int, ckpt: CheckpointConfig) -> None:
-    """Remove stable checkpoints not kept, and unfinished ones older than `current`."""
-    stable = storage.stable_steps(KIND)
-    kept = kept_steps(stable, ckpt)
-    base = storage.path(KIND)
-    for entry in storage.fs.ls(base, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if not name.isdigit():
+def prune(storage: RunStorage, current: int, keep: int, lag: int = 0) -> None:
+    """After step `current`: remove the stable checkpoints and weights not kept, unfinished ones older than
+    `current`, and any later than it (left by the run before a resume re-ran the steps after its checkpoint)."""
+    stable = {kind: [s for s in storage.stable_steps(kind) if s <= current] for kind in (KIND, WEIGHTS)}
+    kept = dict(zip((KIND, WEIGHTS), kept_steps(stable[KIND], stable[WEIGHTS], keep, lag)))
+    for kind in (KIND, WEIGHTS):
+        base = storage.path(kind)
+        if not storage.exists(base):
             continue
-        step = int(name)
-        if (step in stable and step not in kept) or (step not in stable and step < current):
-            storage.remove(f"{base}/{name}")
+        for entry in storage.fs.ls(base, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if not name.isdigit():
+                continue
+            step = int(name)
+            if step > current or step not in kept[kind] and (step in stable[kind] or step < current):
+                storage.remove(f"{base}/{name}")

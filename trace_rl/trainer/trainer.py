@@ -39,7 +39,6 @@ from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
 from trace_rl.trainer.varlen import PACKED_ATTENTION, varlen_arguments
 
-WEIGHTS = "weights"
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -50,6 +49,15 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
             raise RuntimeError("trainer.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def mixed_precision(dtype: torch.dtype):
+    """FSDP2's policy for a half-precision `model.dtype`: each block's parameters are all-gathered and computed
+    in `dtype` (half the gather traffic and memory of float32), gradients are reduce-scattered in float32 into
+    the float32 master shards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def warmup_factor(warmup_steps: int):
@@ -230,6 +238,9 @@ class Trainer:
             path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
         ).to(self.device)
         self.module.config.use_cache = False
+        if config.trainer.activation_checkpointing:
+            # non-reentrant: works under DDP and FSDP2 and with inputs that need no gradient (token ids)
+            self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.module.train()
         self.model = self._parallelize(self.module)
 
@@ -249,11 +260,12 @@ class Trainer:
             return DistributedDataParallel(module, device_ids=device_ids)
         from torch.distributed.fsdp import fully_shard
 
+        policy = {"mp_policy": mixed_precision(self.dtype)} if self.dtype != torch.float32 else {}
         block_names = set(getattr(module, "_no_split_modules", None) or [])
         for sub in module.modules():
             if type(sub).__name__ in block_names:
-                fully_shard(sub)
-        return fully_shard(module)
+                fully_shard(sub, **policy)
+        return fully_shard(module, **policy)
 
     def _gradient_sync(self, enabled: bool):
         """Sync gradients across ranks only on the last micro-batch of a step."""
@@ -345,7 +357,7 @@ class Trainer:
                 "trainer": {"step": step, "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state()},
                 "extra_state": dict(extra_state or {}),
             }
-            directory = checkpoint.save_checkpoint(self.storage, step, parts, self.config.ckpt)
+            directory = checkpoint.save_checkpoint(self.storage, step, parts)
         if self.distributed:
             dist.barrier()
         return directory
@@ -386,7 +398,7 @@ class Trainer:
         for alias in self._tied_aliases():
             state.pop(alias, None)
         state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
-        directory = self.storage.path(WEIGHTS, step_name(step))
+        directory = self.storage.path(checkpoint.WEIGHTS, step_name(step))
         if self.rank == 0:
             with tempfile.TemporaryDirectory(prefix="trace-rl-weights-") as staging:
                 self.module.save_pretrained(staging, state_dict=state, safe_serialization=True)

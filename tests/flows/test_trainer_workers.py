@@ -1,0 +1,34 @@
+"""The train flow with `trainer.num_processes = 2`: the run's persistent workers train every step."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.flows.conftest import small_config
+from trace_rl import processes, quiet
+from trace_rl.loading import validate_config
+from trace_rl.session import session_for
+from trace_rl.storage import RunStorage
+
+
+@pytest.mark.slow
+def test_a_run_on_two_gloo_workers_matches_one_process(prefect_api, tmp_path):
+    from flows.train import run_training
+
+    def run(name: str, **trainer):
+        config = validate_config(small_config(str(tmp_path), name, steps=3, ckpt={"interval": 2},
+                                              trainer={"lr": 1e-3, "micro_batch_tokens": 512, **trainer}))
+        run_training(config)
+        storage = RunStorage(config.storage, config.name)
+        return config, load_file(f"{storage.path('weights', '000003')}/model.safetensors")
+
+    _, expected = run("one")
+    config, weights = run("two", num_processes=2, parallel="fsdp")
+    for name in expected:
+        assert (weights[name] - expected[name]).abs().max().item() <= 1e-6, name
+    workers = session_for(config).trainer_at(4)
+    assert workers.alive and workers.step == 3 and len(workers.pids) == 2
+    pids = list(workers.pids)
+    quiet.stop_engines()  # what the CLI does when the run ends
+    assert not workers.alive and not any(processes.stat(pid) for pid in pids)

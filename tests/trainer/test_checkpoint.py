@@ -1,0 +1,108 @@
+"""Checkpoint cost: full checkpoints every `ckpt.interval` steps, weights every step, `ckpt.keep` of each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.conftest import make_batch, storage_for
+from tests.trainer.test_trainer import exported
+from trace_rl.storage import step_name
+from trace_rl.tables import write_batch
+from trace_rl.trainer import checkpoint
+from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.trainer import Trainer
+
+STEPS = 6
+
+
+def interval_config(make_config, name: str):
+    config = make_config(name, weight_decay=0.1)
+    config.steps = STEPS
+    config.ckpt.keep, config.ckpt.interval = 2, 2
+    return config
+
+
+def train_steps(config, steps: range, trainer=None):
+    store = storage_for(config)
+    trainer = trainer or Trainer(config, store)
+    for step in steps:
+        if not store.exists(store.step_path(step, "batch.parquet")):
+            write_batch(store, step, make_batch(100 + step))
+        train_one_step(config, store, step, trainer, extra_state={"step": step})
+    return store
+
+
+def test_writes_checkpoint_every_interval_and_at_the_last_step(make_config):
+    config = interval_config(make_config, "which")
+    config.ckpt.interval = 4
+    assert [s for s in range(1, STEPS + 1) if checkpoint.writes_checkpoint(config, s)] == [4, 6]
+
+
+def test_kept_steps_hold_the_weights_each_kept_checkpoint_resumes_with():
+    assert checkpoint.kept_steps([2, 4, 6], [4, 5, 6], keep=2) == ({4, 6}, {4, 5, 6})
+    assert checkpoint.kept_steps([5], [5, 6, 7, 8], keep=2) == ({5}, {5, 7, 8})
+    assert checkpoint.kept_steps([], [1], keep=1) == (set(), {1})
+    # [async] max_off_policy_steps = 1: a resume from checkpoint 4 samples step 5 with weights/3
+    assert checkpoint.kept_steps([2, 4, 6], [1, 2, 3, 4, 5, 6], keep=2, lag=1) == ({4, 6}, {3, 4, 5, 6})
+    assert checkpoint.kept_steps([6], [1, 2, 3, 4, 5, 6], keep=1, lag=2) == ({6}, {4, 5, 6})
+
+
+def test_keep_two_leaves_exactly_the_expected_directories(make_config):
+    config = interval_config(make_config, "kept")
+    store = train_steps(config, range(1, STEPS + 1))
+    # checkpoints at 2, 4, 6 (the last step); the last two stay, with the weights of 5, 6 and of checkpoint 4
+    assert store.stable_steps("checkpoints") == [4, 6]
+    assert store.stable_steps("weights") == [4, 5, 6]
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path("checkpoints"))) == ["000004", "000006"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path("weights"))) == ["000004", "000005", "000006"]
+    assert checkpoint.load_part(store, 6, "extra_state") == {"step": 6}
+
+
+def test_unfinished_directories_are_removed(make_config):
+    config = interval_config(make_config, "unfinished")
+    store = train_steps(config, range(1, 3))
+    store.fs.makedirs(checkpoint.checkpoint_dir(store, 1))  # a crashed write: no STABLE marker
+    train_steps(config, range(3, 5))
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path("checkpoints"))) == ["000002", "000004"]
+    assert store.stable_steps("weights") == [2, 3, 4]
+
+
+def test_resume_from_the_newest_kept_checkpoint_reruns_later_steps_bitwise(make_config):
+    straight = train_steps(interval_config(make_config, "straight"), range(1, STEPS + 1))
+
+    config = interval_config(make_config, "crashed")
+    crashed = train_steps(config, range(1, 6))  # dies during step 6: checkpoints 2 and 4, weights 2, 4 and 5
+    assert crashed.stable_steps("checkpoints") == [2, 4] and crashed.stable_steps("weights") == [2, 4, 5]
+
+    torch.manual_seed(999)  # a resumed process must not depend on its own RNG
+    trainer = Trainer(config, crashed)
+    assert trainer.restore() == (4, {"step": 4})
+    train_steps(config, range(5, STEPS + 1), trainer)  # steps 5 and 6 again
+    for step in (5, 6):
+        a, b = exported(straight, step), exported(crashed, step)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    assert crashed.stable_steps("checkpoints") == [4, 6] and crashed.stable_steps("weights") == [4, 5, 6]
+
+
+def test_a_rerun_removes_the_weights_of_the_steps_it_has_not_reached_yet(make_config):
+    """Checkpoint 5, weights 5..8 from before a crash: re-running step 6 must not leave 7 and 8 (stale)
+    nor prune the fresh weights/6 that step 7 samples with."""
+    config = make_config("stale", micro_batch_tokens=256)
+    config.steps, config.ckpt.keep, config.ckpt.interval = 10, 2, 5
+    store = storage_for(config)
+    for step in (5, 6, 7, 8):
+        store.fs.makedirs(store.path("weights", step_name(step)), exist_ok=True)
+        store.mark_stable(store.path("weights", step_name(step)))
+    store.fs.makedirs(checkpoint.checkpoint_dir(store, 5))
+    store.mark_stable(checkpoint.checkpoint_dir(store, 5))
+    checkpoint.prune(store, 6, config.ckpt.keep)
+    assert store.stable_steps("weights") == [5, 6] and store.stable_steps("checkpoints") == [5]
+
+
+@pytest.mark.parametrize("bad", [{"interval": 0}, {"keep": 0}])
+def test_bad_ckpt_values_are_refused_naming_the_key(make_config, bad):
+    from trace_rl.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=f"ckpt.{next(iter(bad))}"):
+        parse_config({"name": "x", "env": [{"id": "reverse-text"}], "ckpt": bad})

@@ -1,0 +1,88 @@
+"""Persistent torchrun trainer workers (2 gloo ranks): started once, kept across steps, restarted after a death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.conftest import make_batch, storage_for
+from trace_rl import processes
+from trace_rl.tables import write_batch
+from trace_rl.trainer.run import TrainerError, train_one_step
+from trace_rl.trainer.workers import TrainerWorkers
+
+pytestmark = pytest.mark.slow
+
+
+def two_ranks(make_config, name: str, parallel: str):
+    config = make_config(name, micro_batch_tokens=48, num_processes=2, parallel=parallel)
+    store = storage_for(config)
+    for step in (1, 2, 3):
+        write_batch(store, step, make_batch(100 + step))
+    return config, store
+
+
+def weights_bytes(store, step: int) -> bytes:
+    return (Path(store.path("weights", f"{step:06d}")) / "model.safetensors").read_bytes()
+
+
+def test_the_same_worker_processes_serve_steps_one_to_three(make_config):
+    config, store = two_ranks(make_config, "persistent", "ddp")
+    with TrainerWorkers(config, store) as workers:
+        served = []
+        for step in (1, 2, 3):
+            metrics = train_one_step(config, store, step, workers)
+            assert metrics["samples"] == 8 and store.is_stable(store.path("weights", f"{step:06d}"))
+            served.append(list(workers.pids))
+        assert served[0] == served[1] == served[2] and len(set(served[0])) == 2
+        assert set(served[0]) <= set(processes.descendants(workers.process.pid))  # torchrun's own ranks
+        assert workers.step == 3
+        launcher = workers.process
+    assert launcher.poll() == 0  # a clean stop
+    assert not any(processes.stat(pid) for pid in served[0])
+
+
+def test_a_worker_sigkilled_mid_step_fails_the_step_and_fresh_workers_resume_bitwise(make_config):
+    """FSDP2 with 2 gloo ranks: the resumed workers restore checkpoint 2 (sharding the full state dict)
+    and train step 3 to the same bytes as workers that never stopped."""
+    config, store = two_ranks(make_config, "straight", "fsdp")
+    with TrainerWorkers(config, store) as workers:
+        for step in (1, 2, 3):
+            train_one_step(config, store, step, workers)
+    expected = weights_bytes(store, 3)
+
+    config, store = two_ranks(make_config, "killed", "fsdp")
+    with TrainerWorkers(config, store) as workers:
+        for step in (1, 2):
+            train_one_step(config, store, step, workers)
+        first_pids = list(workers.pids)
+        failure: list[BaseException] = []
+
+        def step_three():
+            try:
+                train_one_step(config, store, 3, workers)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                failure.append(exc)
+
+        thread = threading.Thread(target=step_three)
+        thread.start()
+        command = Path(workers.control) / "command-2.json"  # steps 1 and 2 were commands 0 and 1
+        while not command.exists():
+            time.sleep(0.001)
+        os.kill(first_pids[1], signal.SIGKILL)
+        thread.join(120)
+        assert not thread.is_alive()
+        assert len(failure) == 1 and isinstance(failure[0], TrainerError), failure
+        assert "trainer workers died during step 3" in str(failure[0])
+        assert not any(processes.stat(pid) for pid in first_pids)  # torchrun stopped rank 0 too
+        assert not store.is_stable(store.path("weights", "000003"))
+        assert store.latest_stable("checkpoints") == 2
+
+        train_one_step(config, store, 3, workers)  # the retry: fresh workers restore checkpoint 2
+        assert not set(workers.pids) & set(first_pids)
+    assert weights_bytes(store, 3) == expected

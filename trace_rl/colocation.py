@@ -1,0 +1,92 @@
+"""Which in-process engines a run starts, and how they share one GPU with the trainer (docs/scaling.md).
+
+An engine is started only for a model something uses: the actor, which samples the rollouts, and
+the models the step's local algorithms score with (`Algorithm.models_used`, e.g. opd's `model`).
+With `actor = "reference"` and no algorithm that scores with the policy, no policy engine exists,
+and nothing is broadcast to one.
+
+The in-process vLLM engines share one memory budget, `[inference] gpu_memory_utilization`, split
+equally among them. When they share a CUDA device with the trainer (`[inference] colocate`, by
+default whenever the trainer runs on CUDA), they start with vLLM's sleep mode and sleep at level 1
+(weights copied to CPU memory, KV cache freed) while the trainer trains, then wake up to load the
+new weights.
+
+Plain Python: the decisions are tested on CPU with real configs.
+"""
+
+from __future__ import annotations
+
+from trace_rl.config import Config
+from trace_rl.names import POLICY
+
+
+def models_in_use(config: Config) -> list[str]:
+    """Model keys something in the run uses, the actor first, then the local algorithms' models in order."""
+    from trace_rl.algorithms.base import resolve_algorithm_class, validate_options
+
+    used = [config.actor]
+    for env in config.env:
+        if env.server is not None:
+            continue  # env-owned algorithms run on the env server, with the runtimes it builds
+        for algo in config.algorithms_for(env):
+            cls = resolve_algorithm_class(algo.id)
+            if cls is not None:
+                used += sorted(cls.models_used(validate_options(cls, algo)))
+    return list(dict.fromkeys(used))
+
+
+def in_process_engine(config: Config, key: str) -> bool:
+    """Whether model `key` runs on an in-process vLLM engine (not a server, not the hf sampler)."""
+    if key == POLICY:
+        return config.inference.backend == "vllm" and not config.inference.base_url
+    model = config.models[key]
+    return model.tokens and config.inference.backend == "vllm" and not model.base_url
+
+
+def engines(config: Config) -> list[str]:
+    """The in-process vLLM engines the run starts, by model key."""
+    return [key for key in models_in_use(config) if in_process_engine(config, key)]
+
+
+def memory_shares(config: Config) -> dict[str, float]:
+    """Each engine's `gpu_memory_utilization`: the budget split equally among the engines that exist."""
+    keys = engines(config)
+    return {key: config.inference.gpu_memory_utilization / len(keys) for key in keys}
+
+
+def trainer_on_cuda(config: Config, cuda_available: bool) -> bool:
+    return config.trainer.device == "cuda" or (config.trainer.device == "auto" and cuda_available)
+
+
+def colocated(config: Config, cuda_available: bool) -> bool:
+    """Whether the engines sleep while the trainer runs: `[inference] colocate`, by default when the trainer
+    is on CUDA (its rank 0 and vLLM both use the first visible GPU) and an in-process engine exists, and
+    sampling does not overlap training (`[async] max_off_policy_steps = 0`: an engine that samples the next
+    step while the trainer runs cannot sleep)."""
+    if not engines(config) or not trainer_on_cuda(config, cuda_available) or config.async_.max_off_policy_steps:
+        return False
+    return config.inference.colocate is not False
+
+
+def check_colocation(config: Config) -> list[str]:
+    """Config-time problems: `colocate = true` with nothing to colocate."""
+    if config.inference.colocate is not True:
+        return []
+    if config.trainer.device == "cpu":
+        return [("inference.colocate = true: trainer.device = 'cpu' shares no GPU with the engines; "
+                "remove inference.colocate or set trainer.device = 'auto' or 'cuda'")]
+    if not engines(config):
+        return [("inference.colocate = true: no model runs on an in-process vLLM engine (inference.backend = 'hf' "
+                "or servers via base_url); remove inference.colocate")]
+    if config.async_.max_off_policy_steps:
+        return [(f"inference.colocate = true with async.max_off_policy_steps = {config.async_.max_off_policy_steps}: "
+                 "the engines sample the next steps while the trainer runs, so they cannot sleep for it; set "
+                 "inference.colocate = false (and leave the trainer room: inference.gpu_memory_utilization), or "
+                 "async.max_off_policy_steps = 0")]
+    return []
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
