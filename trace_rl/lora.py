@@ -99,3 +99,18 @@ def check_lora(config: Config) -> list[str]:
                             f"{'is not a Linear' if len(unknown) == 1 else 'are not Linears'} of "
                             f"{config.model.name}'s decoder blocks; use some of: {', '.join(sorted(known))}")
     return problems
+
+
+def check_adapter(local_dir: str | os.PathLike, max_rank: int) -> dict:
+    """The adapter's config, once checked to be a peft LoRA adapter a sampler with `max_rank` can load (a vLLM
+    engine that fails to load one dies with it, so this runs first); raises naming the directory otherwise."""
+    directory = Path(local_dir)
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{directory} holds a {config.get('peft_type')} adapter; only LoRA adapters load")
+    if int(config["r"]) > max_rank:
+        raise ValueError(f"the adapter in {directory} has rank {config['r']}, above the {max_rank} the sampler serves")
+    weights = directory / ADAPTER_WEIGHTS
+    if not weights.is_file() or not any(".lora_A." in name for name in safetensors_header(weights)):
+        raise ValueError(f"{directory} has no LoRA tensors in {ADAPTER_WEIGHTS}")
+    return config

@@ -10,12 +10,15 @@ samples from its own seeded RNG, so the same seed gives the same tokens on CPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 
 import numpy as np
 import torch
 
 from trace_rl.inference.weights import check_weights, safetensors_files
+from trace_rl.lora import ADAPTER_WEIGHTS, check_adapter, is_adapter_dir
 from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 from trace_rl.hub import resolve_model_path
 
@@ -39,6 +42,16 @@ class HFRuntime:
         path = resolve_model_path(config.name, config.revision)
         self.tokenizer = load_tokenizer(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
+        self.peft = None
+        self.adapter_loaded = False
+        if config.lora is not None:
+            from peft import get_peft_model
+
+            from trace_rl.lora import peft_config
+
+            # the adapter's layers go into the model in place; until an adapter is loaded they are switched off
+            self.peft = get_peft_model(self.model, peft_config(config.lora))
+            self.model = self.peft.get_base_model()
         self.model.eval()
         # the model's generation_config.json (top_k, repetition_penalty, ...) must not change what is sampled
         self.model.generation_config = GenerationConfig()
@@ -47,16 +60,25 @@ class HFRuntime:
         self._lock = threading.Lock()
 
     # -- sampling ---------------------------------------------------------------------
-    async def generate(
-        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
-    ) -> Generation:
-        return await asyncio.to_thread(self._generate, list(prompt_ids), temperature, max_tokens, top_p, seed)
+    def _adapter(self, adapter: bool):
+        """The LoRA adapter on (when asked for and one is loaded) or off, for one call under the lock."""
+        if self.peft is None or (adapter and self.adapter_loaded):
+            return contextlib.nullcontext()
+        return self.peft.disable_adapter()
 
-    def _generate(self, prompt_ids: list[int], temperature: float, max_tokens: int, top_p: float, seed: int):
+    async def generate(
+        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
+        adapter: bool = True,
+    ) -> Generation:
+        """Sample a completion; `adapter=False` samples the base model under a loaded LoRA adapter."""
+        return await asyncio.to_thread(self._generate, list(prompt_ids), temperature, max_tokens, top_p, seed, adapter)
+
+    def _generate(self, prompt_ids: list[int], temperature: float, max_tokens: int, top_p: float, seed: int,
+                  adapter: bool):
         stops = self.stop_token_ids
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with self._lock, self._adapter(adapter), torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids,
@@ -80,29 +102,57 @@ class HFRuntime:
         return Generation(token_ids=token_ids, logprobs=logprobs.tolist(), finish_reason=finish)
 
     # -- scoring ----------------------------------------------------------------------
-    async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
-        return await asyncio.to_thread(self._score, list(token_ids), temperature)
+    async def score(
+        self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0, adapter: bool = True
+    ) -> np.ndarray:
+        return await asyncio.to_thread(self._score, list(token_ids), temperature, adapter)
 
-    def _score(self, token_ids: list[int], temperature: float) -> np.ndarray:
+    def _score(self, token_ids: list[int], temperature: float, adapter: bool) -> np.ndarray:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        with self._lock, torch.no_grad():
+        with self._lock, self._adapter(adapter), torch.no_grad():
             logits = self.model(input_ids).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
         return np.concatenate([[0.0], logprobs.numpy()]).astype(np.float32)
 
     # -- weights ----------------------------------------------------------------------
     async def load_weights(self, local_dir: str, version: int) -> None:
-        """Load a safetensors state dict; checked in full first, so a bad one changes nothing."""
+        """Load a safetensors state dict; checked in full first, so a bad one changes nothing.
+
+        A peft adapter directory (a LoRA run's `weights/<step>/`) is copied into the adapter's
+        layers and switches them on; full weights (the base model at step 0) switch them off."""
         await asyncio.to_thread(self._load_weights, local_dir, version)
 
     def _load_weights(self, local_dir: str, version: int) -> None:
         from safetensors.torch import load_file
 
-        current = self.model.state_dict()
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        check_weights(local_dir, {name: tuple(t.shape) for name, t in current.items()}, optional=tied)
-        with self._lock, torch.no_grad():
-            for path in safetensors_files(local_dir):
-                for name, tensor in load_file(path).items():
-                    current[name].copy_(tensor)
+        if is_adapter_dir(local_dir):
+            self._load_adapter(local_dir)
+        else:
+            # with LoRA layers in place a base Linear's weight is `<name>.base_layer.weight`; adapters stay out
+            current = {name.replace(".base_layer.", "."): tensor for name, tensor in self.model.state_dict().items()
+                       if ".lora_" not in name}
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            check_weights(local_dir, {name: tuple(t.shape) for name, t in current.items()}, optional=tied)
+            with self._lock, torch.no_grad():
+                for path in safetensors_files(local_dir):
+                    for name, tensor in load_file(path).items():
+                        current[name].copy_(tensor)
+                self.adapter_loaded = False
         self.policy_version = version
+
+    def _load_adapter(self, local_dir: str) -> None:
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if self.peft is None:
+            raise ValueError(f"{local_dir} holds a LoRA adapter, but model {self.key!r} has no [model.lora]")
+        check_adapter(local_dir, self.config.lora.rank)
+        expected = {name: tuple(t.shape) for name, t in get_peft_model_state_dict(self.peft).items()}
+        tensors = load_file(os.path.join(local_dir, ADAPTER_WEIGHTS))
+        found = {name: tuple(t.shape) for name, t in tensors.items()}
+        if found != expected:
+            raise ValueError(f"the adapter in {local_dir} does not fit model {self.key!r}'s [model.lora] "
+                             f"(differing tensors: {sorted(set(found.items()) ^ set(expected.items()))[:4]})")
+        with self._lock, torch.no_grad():
+            set_peft_model_state_dict(self.peft, tensors)
+            self.adapter_loaded = True
