@@ -130,6 +130,14 @@ def cmd_server(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from trace_rl.export import export_step
+
+    for path in export_step(args.run, args.step, merged=args.merged, adapter=args.adapter):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_config_schema(args) -> int:
     print(json.dumps(Config.model_json_schema(), indent=2))
     return 0
@@ -179,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--model", help="with --train: start from this model (default: the run's base model)")
     _add_verbose(replay)
     replay.set_defaults(func=cmd_replay)
+
+    export = sub.add_parser("export", help="write a step's weights as merged Hugging Face weights or a peft adapter")
+    export.add_argument("run", help="the run: <storage>/<name>")
+    export.add_argument("--step", type=int, required=True, help="the training step whose weights to export")
+    export.add_argument("--merged", metavar="DIR", help="full HF weights (a LoRA run: base + adapter merged)")
+    export.add_argument("--adapter", metavar="DIR", help="the peft adapter of a LoRA run")
+    export.set_defaults(func=cmd_export)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])

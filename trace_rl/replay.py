@@ -93,11 +93,12 @@ def parse_steps(text: str | None, available: list[int]) -> list[int]:
     return wanted
 
 
-def source_config(run_url: str, storage_options: dict[str, Any] | None = None) -> Config:
+def source_config(run_url: str, storage_options: dict[str, Any] | None = None, where: str = "--run") -> Config:
+    """The config a run was started with (its `config.toml`); `where` names the argument in errors."""
     storage = RunStorage.from_url(run_url, storage_options)
     path = storage.path("config.toml")
     if not storage.exists(path):
-        raise ConfigError([f"--run {run_url}: no config.toml there; is it a trace-rl run directory?"])
+        raise ConfigError([f"{where} {run_url}: no config.toml there; is it a trace-rl run directory?"])
     local = tomllib.loads(storage.read_bytes(path).decode())
     local["storage"], local["name"] = run_url.rstrip("/").rpartition("/")[::2]
     local["storage"] = local["storage"] or "."
