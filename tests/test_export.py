@@ -73,8 +73,8 @@ def test_bad_exports_are_refused_with_the_fix(lora_run, tiny_model_path, tmp_pat
     full = trained_run(tmp_path, "full", {"name": tiny_model_path}, steps=1)
     cases = [
         (["export", full.url, "--step", "1", "--adapter", str(tmp_path / "a")], "holds full weights .* --merged"),
-        (["export", lora_run.url, "--step", "7", "--merged", str(tmp_path / "m")], "no complete weights of step 7; "
-                                                                                     "steps with weights: 1, 2"),
+        (["export", lora_run.url, "--step", "7", "--merged", str(tmp_path / "m")],
+         "no complete weights of step 7; steps with weights: 1, 2"),
         (["export", lora_run.url, "--step", "1"], "pass --merged DIR"),
         (["export", str(tmp_path / "nothing"), "--step", "1", "--merged", str(tmp_path / "m")], "RUN .*no config.toml"),
         (["export", lora_run.url, "--step", "1", "--merged", str(tmp_path)], "exists and is not an empty directory"),

@@ -74,6 +74,6 @@ def test_dry_run_exits_2_naming_the_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text((ROOT / "configs" / "lora.toml").read_text().replace("rank = 16", "rank = 0"))
     out = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(bad), "--dry-run"], capture_output=True,
-                         text=True, cwd=ROOT)
+                         text=True, cwd=ROOT, check=False)
     assert out.returncode == 2 and "model.lora.rank: Input should be greater than 0 (got 0)" in out.stderr
     assert load_config(ROOT / "configs" / "lora.toml").model.lora.rank == 16

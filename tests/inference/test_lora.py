@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -84,8 +85,8 @@ def test_an_adapter_above_the_engines_rank_is_refused_before_it_reaches_vllm(vll
     storage = RunStorage(str(tmp_path), "too-big")
     target = storage.path("weights", "000001")
     shutil.copytree(adapter_dir(lora_run, 1), target)
-    config = json.load(open(f"{target}/adapter_config.json"))
-    json.dump({**config, "r": 64}, open(f"{target}/adapter_config.json", "w"))
+    config_path = Path(target) / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "r": 64}))
     storage.mark_stable(target)
     with pytest.raises(BroadcastError, match=r"rank 64, above the 8 the sampler serves"):
         asyncio.run(broadcast_weights(vllm_lora_runtime, storage, 1))

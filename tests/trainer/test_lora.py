@@ -65,7 +65,8 @@ def test_checkpoint_and_weights_hold_the_adapter_only(lora_config, tiny_model_pa
     assert model and all(".lora_" in name for name in model)
     assert set(optimizer["state"]) == set(model)
     directory = store.path("weights", "000000")
-    adapter_config = json.load(open(f"{directory}/adapter_config.json"))
+    with open(f"{directory}/adapter_config.json") as f:
+        adapter_config = json.load(f)
     assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8.0 and adapter_config["peft_type"] == "LORA"
     assert sorted(adapter_config["target_modules"]) == sorted(config.model.lora.target_modules)
     tensors = adapter_of(store, 0)
