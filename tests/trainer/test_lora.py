@@ -133,3 +133,22 @@ def test_lora_learns_the_batch(lora_config):
     for step in range(5):
         trainer.train_step(step, samples)
     assert ce_logprob() > start + 1.0
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_the_same_adapter_as_one(lora_config):
+    single = lora_config("single", micro_batch_tokens=48)
+    store1 = storage_for(single)
+    write_batches(store1, 1)
+    train_one_step(single, store1, 0)
+
+    double = lora_config("double", micro_batch_tokens=48, num_processes=2, parallel="ddp")
+    store2 = storage_for(double)
+    write_batches(store2, 1)
+    train_one_step(double, store2, 0)
+    a, b = adapter_of(store1, 0), adapter_of(store2, 0)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    assert max(a[k].abs().max().item() for k in a if ".lora_B." in k) > 1e-4
+    assert set(checkpoint.load_part(store2, 0, "model")) == set(checkpoint.load_part(store1, 0, "model"))
