@@ -80,10 +80,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from trace_rl.replay import check_replay, parse_algorithms
+    from trace_rl.replay import check_replay, check_train_start, parse_algorithms
 
     algorithms = parse_algorithms(args.algorithms)
-    check_replay(args.run, algorithms, args.out, args.steps, args.overwrite)
+    check_train_start(check_replay(args.run, algorithms, args.out, args.steps, args.overwrite).source, args.from_step)
     _prefect()
     reaper.start()
     quiet.progress_bars()

@@ -87,3 +87,10 @@ def test_bad_exports_are_refused_with_the_fix(lora_run, tiny_model_path, tmp_pat
     assert main(["export", full.url, "--step", "1", "--merged", str(tmp_path / "copy")]) == 0
     np.testing.assert_array_equal(trainer_logprobs(str(tmp_path / "copy"), TOKENS, 1.0),
                                   trainer_logprobs(full.path("weights", "000001"), TOKENS, 1.0))
+
+
+def test_replay_from_a_lora_runs_step_is_refused_with_the_export_to_use(lora_run, tmp_path, capsys):
+    assert main(["replay", "--run", lora_run.url, "--algorithms", '["grpo"]', "--out", str(tmp_path / "out"),
+                 "--train", "--from-step", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--from-step 1: the run trains LoRA adapters" in err and "--merged DIR) and pass --model DIR" in err
