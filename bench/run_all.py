@@ -34,6 +34,7 @@ BENCHMARKS = {  # name: (module, timeout seconds)
     "step": ("bench.step", 600),
     "trl": ("bench.trl", 1200),
     "overlap": ("bench.overlap", 2400),
+    "lora": ("bench.lora", 600),
 }
 HERE = Path(__file__).parent
 
@@ -261,12 +262,27 @@ def render_overlap(r: dict) -> list[str]:
     return lines
 
 
+def render_lora(r: dict) -> list[str]:
+    full = r["variants"]["full"]
+    lines = [f"{r['model']}, {full['model_parameters'] / 1e6:.1f}M parameters; LoRA rank {r['rank']} on every "
+             f"attention and MLP projection; {r['steps']} real trainer steps per variant, broadcast into an "
+             f"in-process vLLM engine; medians of steps 2..{r['steps']}.", ""]
+    lines += table(["variant", "trainable parameters", "weights/<step> MB", "export s", "vLLM load s", "broadcast s"],
+                   [[name, v["trainable_parameters"], v["bytes"] / 1e6, v["export_seconds"], v["load_seconds"],
+                     v["broadcast_seconds"]] for name, v in r["variants"].items()])
+    q = r["qwen25_7b"]
+    return lines + [f"Full / LoRA: **{r['bytes_ratio']:.0f}x** the bytes, **{r['broadcast_speedup']:.1f}x** the "
+                    f"broadcast time. At Qwen2.5-7B's shapes (computed, bf16, rank {r['rank']}): "
+                    f"{q['full_bytes_bf16'] / 1e9:.1f} GB full vs {q['adapter_bytes_bf16'] / 1e6:.0f} MB adapter "
+                    f"({q['bytes_ratio']:.0f}x).", ""]
+
+
 def render_generic(r: dict) -> list[str]:
     return table(["key", "value"], flat(r))
 
 
 RENDERERS = {"algorithms": render_algorithms, "trainer": render_trainer, "memory": render_memory, "io": render_io,
-             "step": render_step, "trl": render_trl, "overlap": render_overlap}
+             "step": render_step, "trl": render_trl, "overlap": render_overlap, "lora": render_lora}
 
 
 def targets(results: dict) -> list[list]:

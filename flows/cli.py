@@ -98,10 +98,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from trace_rl.replay import check_replay, parse_algorithms
+    from trace_rl.replay import check_replay, check_train_start, parse_algorithms
 
     algorithms = parse_algorithms(args.algorithms)
-    check_replay(args.run, algorithms, args.out, args.steps, args.overwrite)
+    check_train_start(check_replay(args.run, algorithms, args.out, args.steps, args.overwrite).source, args.from_step)
     _prefect()
     reaper.start()
     quiet.progress_bars()
@@ -145,6 +145,14 @@ def cmd_server(args) -> int:
         record = prefect_server.status()
         print(f"running (pid {record['pid']}): UI {record['ui_url']}" if record else "not running")
         return 0 if record else 1
+    return 0
+
+
+def cmd_export(args) -> int:
+    from trace_rl.export import export_step
+
+    for path in export_step(args.run, args.step, merged=args.merged, adapter=args.adapter):
+        print(f"wrote {path}")
     return 0
 
 
@@ -208,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_verbose(evaluate)
     evaluate.set_defaults(func=cmd_eval)
+
+    export = sub.add_parser("export", help="write a step's weights as merged Hugging Face weights or a peft adapter")
+    export.add_argument("run", help="the run: <storage>/<name>")
+    export.add_argument("--step", type=int, required=True, help="the training step whose weights to export")
+    export.add_argument("--merged", metavar="DIR", help="full HF weights (a LoRA run: base + adapter merged)")
+    export.add_argument("--adapter", metavar="DIR", help="the peft adapter of a LoRA run")
+    export.set_defaults(func=cmd_export)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])

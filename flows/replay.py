@@ -22,6 +22,7 @@ def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | N
            from_step: int | None = None, model: str | None = None, storage_options: dict | None = None,
            overwrite: bool = False) -> list[dict]:
     plan = lib.check_replay(run, algorithms, out, steps, overwrite, storage_options)
+    lib.check_train_start(plan.source, from_step)
     config, out_storage, chosen = plan.config, plan.out, plan.steps
     lib.prepare_out(out_storage)
     from trace_rl.session import session_for

@@ -123,6 +123,22 @@ def vllm_runtime(tiny_model_path):
     shutdown_engines()
 
 
+# The session's LoRA-enabled engine (runs with [model.lora] of rank <= 8 on the tiny model reuse it): enabling LoRA
+# on the shared engine would change the engine every other test samples with, so LoRA gets its own.
+LORA_RANK = 8
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_runtime(vllm_runtime, tiny_model_path):
+    """The session's in-process vLLM engine with LoRA enabled (key `policy`, the tiny model); stopped with the
+    shared one. Tests load the tiny model's own weights back (which drops the adapter) when done."""
+    from trace_rl.config import LoraConfig
+    from trace_rl.models import RuntimeConfig, build_runtime
+
+    return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm",
+                                       lora=LoraConfig(rank=LORA_RANK), **VLLM_ENGINE))
+
+
 @pytest.fixture
 def shared_vllm(vllm_runtime, tiny_model_path):
     """The session's engine for a test that trains through it (a run broadcasts its weights into it): the

@@ -64,6 +64,21 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# the attention and MLP projections of Llama-style decoders (Qwen2/3, Llama, Mistral): peft's names of their Linears
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Strict):
+    """`[model.lora]`: train low-rank adapters (peft LoRA) instead of the full weights; see docs/lora.md."""
+
+    rank: int = Field(..., gt=0, description="LoRA rank r of every adapted projection")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is (alpha / rank) * B A x")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1,
+        description="names of the Linear modules that get an adapter (default: attention and MLP projections)")
+
+
 class ModelConfig(Strict):
     """The trained model (`[model]`); at run time its key is `policy`."""
 
@@ -77,6 +92,8 @@ class ModelConfig(Strict):
     stop_tokens: list[str] | None = Field(
         None, min_length=1, description="tokens that end a model turn, the first being the chat template's "
         "end-of-turn token (default: the tokenizer's eos token), e.g. ['<|im_end|>', '<|endoftext|>']")
+    lora: LoraConfig | None = Field(
+        None, description="[model.lora]: train LoRA adapters only, broadcast only the adapter (docs/lora.md)")
 
 
 class ExtraModelConfig(ModelConfig):
@@ -289,6 +306,18 @@ class Config(Strict):
         if POLICY in models:
             raise ValueError("'policy' is reserved for [model]; use another key, e.g. [models.reference]")
         return models
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> Config:
+        """LoRA trains the policy; the trainer's FSDP2 path shards full weights and is not built for adapters."""
+        extra = [f"models.{key}.lora" for key, model in self.models.items() if model.lora is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: only the trained model has adapters; move it to [model.lora] "
+                             "or remove it")
+        if self.model.lora is not None and self.trainer.num_processes > 1 and self.trainer.parallel == "fsdp":
+            raise ValueError("model.lora with trainer.parallel = 'fsdp' is not supported; use trainer.parallel = "
+                             "'ddp' (adapters are small: every rank holds them whole) or trainer.num_processes = 1")
+        return self
 
     @model_validator(mode="after")
     def _check_actor(self) -> Config:

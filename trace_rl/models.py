@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from trace_rl.config import LoraConfig
+
 if TYPE_CHECKING:
     from trace_rl.config import Config
 
@@ -45,6 +47,8 @@ class RuntimeConfig(BaseModel):
     request_timeout_s: float = 120.0
     stop_tokens: list[str] | None = None  # None: the tokenizer's eos token
     reload_timeout_s: float = 600.0
+    lora: LoraConfig | None = None  # the policy's [model.lora]: it loads the adapters the trainer exports
+    base_of: str | None = None  # a LoRA runtime's key whose base model this is: served by it, without the adapter
 
 
 @dataclass
@@ -175,6 +179,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
             dtype=config.model.dtype,
             base_urls=[inference.base_url] if inference.base_url else [],
             stop_tokens=config.model.stop_tokens,
+            lora=config.model.lora,
             **{**engine, "gpu_memory_utilization": shares.get(POLICY, inference.gpu_memory_utilization)},
         )
     }
@@ -184,10 +189,19 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
         urls = [model.base_url] if isinstance(model.base_url, str) else list(model.base_url or [])
         configs[key] = RuntimeConfig(
             key=key, name=name, revision=model.revision, dtype=model.dtype, tokens=model.tokens, base_urls=urls,
-            stop_tokens=model.stop_tokens,
+            stop_tokens=model.stop_tokens, base_of=POLICY if is_policy_base(config, model, name) else None,
             **{**engine, "seed": seed, "gpu_memory_utilization": shares.get(key, inference.gpu_memory_utilization)}
         )
     return configs
+
+
+def is_policy_base(config: Config, model, name: str) -> bool:
+    """Whether an extra model is the base of a LoRA policy (same files, dtype, stop tokens, no server of its own):
+    then the policy's runtime serves it with the adapter off, and no second copy of the weights is loaded."""
+    policy = config.model
+    return (policy.lora is not None and model.tokens and not model.base_url and name == policy.name
+            and model.revision == policy.revision and model.dtype == policy.dtype
+            and model.stop_tokens == policy.stop_tokens)
 
 
 class TokenlessRuntime:
@@ -215,6 +229,34 @@ class TokenlessRuntime:
 
     async def load_weights(self, local_dir: str, version: int) -> None:
         self._refuse("load weights")
+
+
+class BaseModelView:
+    """The base model under a LoRA runtime's adapter: the same engine (or server, or transformers model) and
+    weights, every request made without the adapter. What `[models.<key>]` naming the policy's base model
+    (a reference, an opd teacher) gets when the policy trains LoRA adapters."""
+
+    policy_version = 0
+
+    def __init__(self, config: RuntimeConfig, lora_runtime: ModelRuntime):
+        self.key = config.key
+        self.config = config
+        self.lora_runtime = lora_runtime
+        self.tokenizer = lora_runtime.tokenizer
+
+    @property
+    def num_endpoints(self) -> int:
+        return self.lora_runtime.num_endpoints
+
+    async def generate(self, prompt_ids: list[int], **options: Any) -> Generation:
+        return await self.lora_runtime.generate(prompt_ids, adapter=False, **options)
+
+    async def score(self, token_ids: list[int], **options: Any) -> np.ndarray:
+        return await self.lora_runtime.score(token_ids, adapter=False, **options)
+
+    async def load_weights(self, local_dir: str, version: int) -> None:
+        raise TypeError(f"model {self.key!r} is the base model of the LoRA-trained {self.config.base_of!r}: it keeps "
+                        "the base weights, so it takes no broadcast")
 
 
 def build_runtime(config: RuntimeConfig) -> ModelRuntime:

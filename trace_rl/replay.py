@@ -70,6 +70,16 @@ def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: s
     return ReplayPlan(source, config, source_storage, out_storage, chosen)
 
 
+def check_train_start(source: Config, from_step: int | None) -> None:
+    """`--from-step K` trains on from the run's `weights/<K>/`, which must be full weights: a LoRA run's are an
+    adapter, so it is refused with the way to get a model from them."""
+    if from_step is not None and source.model.lora is not None:
+        raise RefusedError(
+            f"--from-step {from_step}: the run trains LoRA adapters, so its weights of step {from_step} are an "
+            f"adapter, not a model to start from; export them merged (trace-rl export RUN --step {from_step} "
+            "--merged DIR) and pass --model DIR")
+
+
 def prepare_out(out: RunStorage) -> None:
     """Wipe `--out` (checked by `check_replay`; only `--overwrite` lets a non-empty one through)."""
     if out.exists(out.root):

@@ -17,7 +17,7 @@ from typing import Any
 from trace_rl.colocation import models_in_use
 from trace_rl.config import Config
 from trace_rl.names import POLICY
-from trace_rl.models import TORCH_RNG_LOCK, ModelRuntime, build_runtime, runtime_configs
+from trace_rl.models import TORCH_RNG_LOCK, BaseModelView, ModelRuntime, build_runtime, runtime_configs
 from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
 
@@ -38,7 +38,9 @@ class LazyRuntimes(Mapping):
 
     def __getitem__(self, key: str) -> ModelRuntime:
         if key not in self._built:
-            self._built[key] = build_runtime(self._configs[key])
+            config = self._configs[key]
+            self._built[key] = (BaseModelView(config, self[config.base_of]) if config.base_of
+                                else build_runtime(config))
         return self._built[key]
 
     def __iter__(self) -> Iterator[str]:

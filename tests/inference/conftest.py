@@ -21,7 +21,20 @@ UPDATED_STEP = 1
 
 def trainer_logprobs(model_dir: str, token_ids: list[int], temperature: float) -> np.ndarray:
     """What the trainer computes for `token_ids` (one sample) with the weights in `model_dir`."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), token_ids,
+                          temperature)
+
+
+def peft_logprobs(base_dir: str, adapter_dir: str, token_ids: list[int], temperature: float) -> np.ndarray:
+    """The trainer's logprobs of `token_ids` with transformers + peft: the base model with the adapter applied."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    # peft puts the adapter's layers into the transformers model in place: call that model, as the trainer does
+    return model_logprobs(PeftModel.from_pretrained(base, adapter_dir).get_base_model().eval(), token_ids, temperature)
+
+
+def model_logprobs(model: torch.nn.Module, token_ids: list[int], temperature: float) -> np.ndarray:
     n = len(token_ids)
     zeros = np.zeros(n, dtype=np.float32)
     sample = TrainingSample(
@@ -74,3 +87,27 @@ def hf_runtime(tiny_model_path):
 def runtime(request):
     """Each in-process sampler in turn (the vLLM one is the session's shared engine)."""
     return request.getfixturevalue("hf_runtime" if request.param == "hf" else "vllm_runtime")
+
+
+LORA_STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def lora_run(tiny_model_path, tmp_path_factory) -> RunStorage:
+    """A LoRA run of the tiny model (rank 8, all projections) with adapters `weights/000001..3/` from real
+    trainer steps on synthetic batches."""
+    from tests.trainer.conftest import make_batch
+    from trace_rl.config import Config
+    from trace_rl.tables import write_batch
+    from trace_rl.trainer.run import train_one_step
+    from trace_rl.trainer.trainer import Trainer
+
+    config = Config(name="lora", storage=str(tmp_path_factory.mktemp("lora-runs")), env=[{"id": "synthetic"}],
+                    model={"name": tiny_model_path, "lora": {"rank": 8}},
+                    trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"})
+    storage = RunStorage(config.storage, config.name)
+    trainer = Trainer(config, storage)
+    for step in range(1, LORA_STEPS + 1):
+        write_batch(storage, step, make_batch(step))
+        train_one_step(config, storage, step, trainer)
+    return storage

@@ -11,6 +11,8 @@ generator, so the same seed gives the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from concurrent.futures import Future
 
@@ -21,6 +23,7 @@ from trace_rl.hub import resolve_model_path
 from trace_rl.inference.batcher import RequestBatcher
 from trace_rl.inference.hf_decode import Request, decode_batch
 from trace_rl.inference.weights import check_weights, safetensors_files
+from trace_rl.lora import ADAPTER_WEIGHTS, check_adapter, is_adapter_dir
 from trace_rl.models import Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,53 +43,106 @@ class HFRuntime:
         path = resolve_model_path(config.name, config.revision)
         self.tokenizer = load_tokenizer(path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype]).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.dtype])
+        self.peft = None
+        self.adapter_loaded = False
+        if config.lora is not None:
+            from peft import get_peft_model
+
+            from trace_rl.lora import peft_config
+
+            # the adapter's layers go into the model in place; until an adapter is loaded they are switched off
+            self.peft = get_peft_model(self.model, peft_config(config.lora))
+            self.model = self.peft.get_base_model()
+        self.model.to(self.device)
         self.model.eval()
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
         self._lock = threading.Lock()  # weights change only between batches and scores
         self._batcher = RequestBatcher(self._decode, name=f"hf-sampler-{config.key}")
 
     # -- sampling ---------------------------------------------------------------------
+    def _adapter(self, adapter: bool):
+        """The LoRA adapter on (when asked for and one is loaded) or off, for one call under the lock."""
+        if self.peft is None or (adapter and self.adapter_loaded):
+            return contextlib.nullcontext()
+        return self.peft.disable_adapter()
+
     async def generate(
-        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
+        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
+        adapter: bool = True,
     ) -> Generation:
-        request = Request(list(prompt_ids), temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        """Sample a completion; `adapter=False` samples the base model under a loaded LoRA adapter."""
+        request = Request(list(prompt_ids), temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                          adapter=adapter)
         return await asyncio.wrap_future(self._batcher.submit(request))
 
     def _decode(self, requests: list[Request], futures: list[Future]) -> None:
         pad = self.tokenizer.pad_token_id
-        with self._lock:
-            generations = decode_batch(self.model, requests, stop_ids=self.stop_token_ids,
-                                       pad_id=pad if pad is not None else self.stop_token_ids[0])
+        generations: dict[int, Generation] = {}
+        for adapter in (True, False):  # one batch with the LoRA adapter on, one with it off
+            rows = [i for i, request in enumerate(requests) if request.adapter == adapter]
+            if rows:
+                with self._lock, self._adapter(adapter):
+                    decoded = decode_batch(self.model, [requests[i] for i in rows], stop_ids=self.stop_token_ids,
+                                           pad_id=pad if pad is not None else self.stop_token_ids[0])
+                generations.update(zip(rows, decoded))
         # all at once, in request order: the turns that follow start together and form the next batch,
         # the same one on every run
-        for future, generation in zip(futures, generations, strict=True):
-            future.set_result(generation)
+        for index, future in enumerate(futures):
+            future.set_result(generations[index])
 
     # -- scoring ----------------------------------------------------------------------
-    async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
-        return await asyncio.to_thread(self._score, list(token_ids), temperature)
+    async def score(
+        self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0, adapter: bool = True
+    ) -> np.ndarray:
+        return await asyncio.to_thread(self._score, list(token_ids), temperature, adapter)
 
-    def _score(self, token_ids: list[int], temperature: float) -> np.ndarray:
+    def _score(self, token_ids: list[int], temperature: float, adapter: bool) -> np.ndarray:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        with self._lock, torch.no_grad():
+        with self._lock, self._adapter(adapter), torch.no_grad():
             logits = self.model(input_ids).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
         return np.concatenate([[0.0], logprobs.cpu().numpy()]).astype(np.float32)
 
     # -- weights ----------------------------------------------------------------------
     async def load_weights(self, local_dir: str, version: int) -> None:
-        """Load a safetensors state dict; checked in full first, so a bad one changes nothing."""
+        """Load a safetensors state dict; checked in full first, so a bad one changes nothing.
+
+        A peft adapter directory (a LoRA run's `weights/<step>/`) is copied into the adapter's
+        layers and switches them on; full weights (the base model at step 0) switch them off."""
         await asyncio.to_thread(self._load_weights, local_dir, version)
 
     def _load_weights(self, local_dir: str, version: int) -> None:
         from safetensors.torch import load_file
 
-        current = self.model.state_dict()
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        check_weights(local_dir, {name: tuple(t.shape) for name, t in current.items()}, optional=tied)
-        with self._lock, torch.no_grad():
-            for path in safetensors_files(local_dir):
-                for name, tensor in load_file(path).items():
-                    current[name].copy_(tensor)
+        if is_adapter_dir(local_dir):
+            self._load_adapter(local_dir)
+        else:
+            # with LoRA layers in place a base Linear's weight is `<name>.base_layer.weight`; adapters stay out
+            current = {name.replace(".base_layer.", "."): tensor for name, tensor in self.model.state_dict().items()
+                       if ".lora_" not in name}
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            check_weights(local_dir, {name: tuple(t.shape) for name, t in current.items()}, optional=tied)
+            with self._lock, torch.no_grad():
+                for path in safetensors_files(local_dir):
+                    for name, tensor in load_file(path).items():
+                        current[name].copy_(tensor)
+                self.adapter_loaded = False
         self.policy_version = version
+
+    def _load_adapter(self, local_dir: str) -> None:
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if self.peft is None:
+            raise ValueError(f"{local_dir} holds a LoRA adapter, but model {self.key!r} has no [model.lora]")
+        check_adapter(local_dir, self.config.lora.rank)
+        expected = {name: tuple(t.shape) for name, t in get_peft_model_state_dict(self.peft).items()}
+        tensors = load_file(os.path.join(local_dir, ADAPTER_WEIGHTS))
+        found = {name: tuple(t.shape) for name, t in tensors.items()}
+        if found != expected:
+            raise ValueError(f"the adapter in {local_dir} does not fit model {self.key!r}'s [model.lora] "
+                             f"(differing tensors: {sorted(set(found.items()) ^ set(expected.items()))[:4]})")
+        with self._lock, torch.no_grad():
+            set_peft_model_state_dict(self.peft, tensors)
+            self.adapter_loaded = True

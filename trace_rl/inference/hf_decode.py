@@ -31,6 +31,7 @@ class Request:
     top_p: float
     max_tokens: int
     seed: int
+    adapter: bool = True  # a LoRA runtime: sample with its adapter (False: the base model); decoded in separate batches
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 

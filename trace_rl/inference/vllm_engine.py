@@ -43,6 +43,7 @@ from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_logging import quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
+from trace_rl.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
 from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 from trace_rl.hub import resolve_model_path
 
@@ -64,6 +65,9 @@ def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
     }
     if config.max_num_batched_tokens is not None:
         arguments["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.lora is not None:
+        # one adapter serves at a time: the latest step's (the previous one is removed once it is loaded)
+        arguments.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(config.lora.rank), max_loras=1)
     if is_cpu:
         # an explicit KV cache size; `gpu_memory_utilization` would reserve that fraction of all RAM
         arguments["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gb * 2**30)
@@ -150,6 +154,7 @@ class EngineWorker:
         self.asleep = False  # slept at level 1 for a colocated trainer (VLLMEngineRuntime.sleep)
         self._stopping = threading.Event()
         self._ids = itertools.count()
+        self._lora_ids = itertools.count(1)
         self._log = EngineLog(config.key)
         self._started: Future = Future()
         self._thread = threading.Thread(target=self._run, name=f"vllm-engine-{config.key}", daemon=True)
@@ -243,8 +248,9 @@ class EngineWorker:
                     self._pending[command_id] = future
                 try:
                     if kind == "request":
-                        prompt_ids, params = payload
-                        engine.add_request(command_id, {"type": "token", "prompt_token_ids": prompt_ids}, params)
+                        prompt_ids, params, lora_request = payload
+                        engine.add_request(command_id, {"type": "token", "prompt_token_ids": prompt_ids}, params,
+                                           lora_request=lora_request)
                     else:
                         self._resolve(command_id, result=payload(llm))
                 except Exception as exc:  # noqa: BLE001 - reported to the caller through its future
@@ -283,8 +289,12 @@ class EngineWorker:
             self._inbox.put((kind, (f"{kind}-{next(self._ids)}", payload), future))
         return future
 
-    def submit(self, prompt_ids: list[int], params) -> Future:
-        return self._enqueue("request", (prompt_ids, params))
+    def submit(self, prompt_ids: list[int], params, lora_request=None) -> Future:
+        return self._enqueue("request", (prompt_ids, params, lora_request))
+
+    def next_lora_id(self) -> int:
+        """A LoRA id this engine has not used (vLLM caches adapters by id, so a new adapter needs a new one)."""
+        return next(self._lora_ids)
 
     def call(self, function: Callable[[Any], Any]) -> Future:
         """Run `function(llm)` on the engine thread between two engine steps."""
@@ -322,12 +332,14 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
     """The process's engine for this runtime key and model (started on first use).
 
     Keyed by the runtime key too: a `reference` must keep its weights when `policy`,
-    though the same model, receives a broadcast. Not keyed by the run seed: every request
+    though the same model, receives a broadcast; and by the LoRA rank it serves (an engine
+    with LoRA enabled is started for LoRA runs only). Not keyed by the run seed: every request
     carries its own seed, so runs of different seeds share an engine. A dead engine is
     replaced by a new one.
     """
     key = (config.key, resolve_model_path(config.name, config.revision), config.dtype, config.max_model_len,
-           config.max_num_batched_tokens, config.enforce_eager, config.sleep_mode)
+           config.max_num_batched_tokens, config.enforce_eager, config.sleep_mode,
+           config.lora and vllm_max_lora_rank(config.lora.rank))
     with ENGINES_LOCK:
         if key in ENGINES and ENGINES[key]._error is not None:
             del ENGINES[key]
@@ -360,23 +372,33 @@ class VLLMEngineRuntime:
         # a tied output layer is the embedding: its checkpoints leave `lm_head.weight` out (any other must have it)
         hf_config = self.worker.llm.llm_engine.model_config.hf_text_config
         self._tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+        self.adapter = None  # with [model.lora]: the LoRARequest of the adapter every request carries
+
+    def _lora(self, adapter: bool):
+        return self.adapter if adapter else None
 
     async def generate(
-        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0
+        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
+        adapter: bool = True,
     ) -> Generation:
+        """Sample a completion; `adapter=False` samples the base model under a loaded LoRA adapter."""
         output = await asyncio.wrap_future(self.worker.submit(list(prompt_ids), sampling_params(
-            self.stop_token_ids, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0)))
+            self.stop_token_ids, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0),
+            self._lora(adapter)))
         output = output.outputs[0]
         token_ids = list(output.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(token_ids, output.logprobs)]
         return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason or "length")
 
-    async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray:
+    async def score(
+        self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0, adapter: bool = True
+    ) -> np.ndarray:
         """Per-token logprobs from vLLM's prompt logprobs (raw, i.e. at temperature 1).
 
         At another temperature it asks for the full distribution at each position and
         rescales it: log_softmax(raw_logprobs / T) = log_softmax(logits / T). That costs
         vocabulary-size work per token, so it is refused for large vocabularies.
+        `adapter=False` scores with the base model under a loaded LoRA adapter.
         """
         from vllm import SamplingParams
 
@@ -384,21 +406,29 @@ class VLLMEngineRuntime:
         if full:
             check_full_distribution_scoring(self.key, self.vocab_size, temperature)
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, detokenize=False)
-        output = await asyncio.wrap_future(self.worker.submit(list(token_ids), params))
+        output = await asyncio.wrap_future(self.worker.submit(list(token_ids), params, self._lora(adapter)))
         positions = [{t: lp.logprob for t, lp in entry.items()} for entry in output.prompt_logprobs[1:]]
         return prompt_logprobs_at(token_ids, positions, temperature)
 
     async def load_weights(self, local_dir: str, version: int) -> None:
         """Check the new weights, then reload them in place between two engine steps and drop the
-        prefix cache (its KV entries were computed with the old weights)."""
-        check_weights(local_dir, self._expected, optional=self._tied)
+        prefix cache (its KV entries were computed with the old weights).
 
-        def reload(llm) -> None:
-            llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": local_dir})
-            if not llm.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache after the weight reload")
+        A peft adapter directory (a LoRA run's `weights/<step>/`) is loaded as a new adapter
+        under a new name and id instead, which every later request carries; the previous one is
+        removed. Full weights (the base model at step 0) drop the adapter."""
+        if is_adapter_dir(local_dir):
+            await self._load_adapter(local_dir, version)
+        else:
+            check_weights(local_dir, self._expected, optional=self._tied)
 
-        await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
+            def reload(llm) -> None:
+                llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": local_dir})
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to reset its prefix cache after the weight reload")
+
+            await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
+            await self._swap_adapter(None)
         self.policy_version = version
 
     async def sleep(self) -> None:
@@ -418,6 +448,30 @@ class VLLMEngineRuntime:
             await self.worker.wait(self.worker.call(lambda llm: llm.wake_up()), self.config.reload_timeout_s,
                                    "wake up")
             self.worker.asleep = False
+
+    async def _load_adapter(self, local_dir: str, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self.config.lora is None:
+            raise ValueError(f"{local_dir} holds a LoRA adapter, but model {self.key!r} has no [model.lora]")
+        check_adapter(local_dir, vllm_max_lora_rank(self.config.lora.rank))
+        lora_id = self.worker.next_lora_id()
+        await self._swap_adapter(LoRARequest(f"{self.key}-step-{version}-{lora_id}", lora_id, local_dir))
+
+    async def _swap_adapter(self, new) -> None:
+        """Load `new` (a LoRARequest, or None for none) into the engine, then remove the current adapter."""
+        old = self.adapter
+        if new is None and old is None:
+            return
+
+        def swap(llm) -> None:
+            if new is not None and not llm.llm_engine.add_lora(new):
+                raise RuntimeError(f"vLLM did not load the LoRA adapter {new.lora_path}")
+            if old is not None:
+                llm.llm_engine.remove_lora(old.lora_int_id)
+
+        await self.worker.wait(self.worker.call(swap), self.config.reload_timeout_s, "a LoRA adapter load")
+        self.adapter = new
 
 
 FULL_DISTRIBUTION_MAX_VOCAB = 32768

@@ -36,6 +36,7 @@ KNOWN_HARMLESS = re.compile(
     r"|^Inductor compilation was disabled by user settings"
     r"|^This model does not officially support disabling chunked prefill"
     r"|^(libtcmalloc|libiomp) is not found in LD_PRELOAD"
+    r"|^vLLM has deprecated support for supporting different tokenizers for different LoRAs"  # ours have none
 )
 
 

@@ -234,9 +234,18 @@ class Trainer:
         # float32 master weights whatever model.dtype says: an AdamW update of lr ~1e-5 is below half a
         # bfloat16 ulp of most weights and would round away; model.dtype is the compute and export dtype
         self.dtype = getattr(torch, config.model.dtype)
-        self.module = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION
-        ).to(self.device)
+        self.module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
+        self.peft = None
+        if config.model.lora is not None:
+            from peft import get_peft_model
+
+            from trace_rl.lora import peft_config
+
+            # peft injects the LoRA layers into the transformers model in place and freezes the rest; the trainer
+            # keeps calling that model itself (its decoder and output layer, as without LoRA)
+            self.peft = get_peft_model(self.module, peft_config(config.model.lora))
+            self.module = self.peft.get_base_model()
+        self.module.to(self.device)
         self.module.config.use_cache = False
         if config.trainer.activation_checkpointing:
             # non-reentrant: works under DDP and FSDP2 and with inputs that need no gradient (token ids)
@@ -246,7 +255,8 @@ class Trainer:
 
         t = config.trainer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=t.lr, betas=t.betas,
+            weight_decay=t.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(t.warmup_steps))
         self.step: int | None = None
@@ -348,6 +358,9 @@ class Trainer:
     def save_checkpoint(self, step: int, extra_state: dict[str, Any] | None = None) -> str | None:
         """Write `checkpoints/<step>/` (rank 0 writes; every rank takes part in gathering). Returns its directory."""
         model_state = get_model_state_dict(self.model, options=FULL_STATE)
+        if self.peft is not None:  # the frozen base is the base model's own files: a checkpoint holds the adapter
+            trainable = self.trainable_names()
+            model_state = {name: value for name, value in model_state.items() if name in trainable}
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE)
         directory = None
         if self.rank == 0:
@@ -368,7 +381,11 @@ class Trainer:
         if step is None:
             return None, {}
         options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, checkpoint.load_part(self.storage, step, "model"), options=options)
+        model_state = checkpoint.load_part(self.storage, step, "model")
+        if self.peft is not None:
+            check_adapter_state(model_state, self.trainable_names(), step)
+            options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(
             self.model, self.optimizer, checkpoint.load_part(self.storage, step, "optimizer"), options=options
         )
@@ -377,6 +394,10 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         self.step = state["step"]
         return self.step, checkpoint.load_part(self.storage, step, "extra_state")
+
+    def trainable_names(self) -> set[str]:
+        """State-dict names of the parameters the optimizer updates (all of them without LoRA)."""
+        return {name for name, param in self.module.named_parameters() if param.requires_grad}
 
     def _tied_aliases(self) -> list[str]:
         """Names of parameters that are another one (tied embeddings); the full state dict has unshared copies."""
@@ -393,7 +414,10 @@ class Trainer:
         """Write `weights/<step>/` in Hugging Face format (+ STABLE), loadable by transformers and vLLM as-is.
 
         The float32 master weights are cast to `model.dtype`, which config.json's `dtype` names.
+        With `[model.lora]` it is the peft adapter alone (`export_adapter`).
         """
+        if self.peft is not None:
+            return self.export_adapter(step)
         state = get_model_state_dict(self.model, options=FULL_STATE)
         for alias in self._tied_aliases():
             state.pop(alias, None)
@@ -408,3 +432,34 @@ class Trainer:
         if self.distributed:
             dist.barrier()
         return directory
+
+    def export_adapter(self, step: int) -> str:
+        """Write `weights/<step>/` as a peft adapter directory (+ STABLE): `adapter_config.json` and
+        `adapter_model.safetensors` (peft's tensor names, cast to `model.dtype`), what vLLM's LoRA loader and
+        peft's `PeftModel.from_pretrained` read."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        from trace_rl.lora import ADAPTER_WEIGHTS
+
+        adapter = get_peft_model_state_dict(self.peft)
+        directory = self.storage.path(checkpoint.WEIGHTS, step_name(step))
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory(prefix="trace-rl-adapter-") as staging:
+                tensors = {name: value.detach().to("cpu", self.dtype).contiguous() for name, value in adapter.items()}
+                save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+                self.peft.peft_config["default"].save_pretrained(staging)
+                self.storage.upload_dir(staging, directory)
+        if self.distributed:
+            dist.barrier()
+        return directory
+
+
+def check_adapter_state(state: dict[str, torch.Tensor], expected: set[str], step: int) -> None:
+    """A LoRA checkpoint must hold exactly the adapter's parameters (else it is of another `[model.lora]`)."""
+    if set(state) != expected:
+        missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(
+            f"the checkpoint of step {step} does not hold this run's LoRA adapter (missing {missing[:3]}, "
+            f"unknown {unknown[:3]}); was [model.lora] changed? Resume with the config the run was started with"
+        )
