@@ -152,3 +152,18 @@ def test_two_ddp_processes_train_the_same_adapter_as_one(lora_config):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
     assert max(a[k].abs().max().item() for k in a if ".lora_B." in k) > 1e-4
     assert set(checkpoint.load_part(store2, 0, "model")) == set(checkpoint.load_part(store1, 0, "model"))
+
+
+def test_a_restored_trainer_exports_the_same_adapter(lora_config):
+    """What `step.train` does when the process died after the checkpoint but before the weights."""
+    config = lora_config("reexport")
+    store = storage_for(config)
+    write_batches(store, 1)
+    train_one_step(config, store, 0)
+    written = adapter_of(store, 0)
+    store.remove(store.path("weights", "000000"))
+    trainer = Trainer(config, store)
+    assert trainer.restore()[0] == 0
+    trainer.export_weights(0)
+    again = adapter_of(store, 0)
+    assert again.keys() == written.keys() and all(torch.equal(written[k], again[k]) for k in written)
