@@ -16,7 +16,7 @@ EVAL = {"k": 2, "num_examples": 2, "interval": 2, "envs": [{"id": "reverse-text"
 
 
 def vllm_config(storage: Path, name: str, **overrides):
-    data = small_config(str(storage), name, steps=4, **overrides)
+    data = small_config(str(storage), name, steps=4, ckpt={"keep": 4}, **overrides)  # every step's weights stay
     for assignment in VLLM_OVERRIDES:
         apply_override(data, assignment)
     return validate_config(data)

@@ -20,7 +20,9 @@ STEPS = 4
 def run_async(storage: str, name: str, k: int):
     from flows.train import run_training
 
-    config = validate_config(small_config(storage, name, steps=STEPS, **{"async": {"max_off_policy_steps": k}}))
+    # every step's weights kept (ckpt.keep = STEPS): the replay test below scores with each step's sampling weights
+    config = validate_config(small_config(storage, name, steps=STEPS, ckpt={"keep": STEPS},
+                                          **{"async": {"max_off_policy_steps": k}}))
     run_training(config)
     return config
 

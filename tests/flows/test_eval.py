@@ -30,8 +30,8 @@ def runs(prefect_api, tmp_path_factory):
     from flows.train import run_training
 
     storage = str(tmp_path_factory.mktemp("runs"))
-    plain = validate_config(small_config(storage, "no-eval", steps=4))
-    evaluated = validate_config(small_config(storage, "with-eval", steps=4, eval=EVAL))
+    plain = validate_config(small_config(storage, "no-eval", steps=4, ckpt={"keep": 4}))  # every step's weights
+    evaluated = validate_config(small_config(storage, "with-eval", steps=4, eval=EVAL, ckpt={"keep": 4}))
     run_training(plain)
     run_training(evaluated)
     return plain, evaluated
