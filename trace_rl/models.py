@@ -18,10 +18,11 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:
     from trace_rl.config import Config
 
-# The process's global torch RNG: the hf sampler seeds it per request, a trainer seeds and restores it as it is
-# built. With `[async]` sampling runs beside training in another thread; each holds this lock meanwhile, so
-# neither moves the other's random state.
-TORCH_RNG_LOCK = threading.Lock()
+# The process's global torch state: its RNG (the hf sampler seeds it per request, a trainer seeds and restores it
+# as it is built) and the defaults transformers switches while it builds a model (meta device, init flags). With
+# `[async]` sampling runs beside training in another thread; building a runtime or a trainer, and hf sampling,
+# hold this lock, so neither thread moves the other's state.
+TORCH_STATE_LOCK = threading.Lock()
 
 
 class RuntimeConfig(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 
 from trace_rl.config import Config
 from trace_rl.names import POLICY
-from trace_rl.models import TORCH_RNG_LOCK, ModelRuntime, build_runtime, runtime_configs
+from trace_rl.models import TORCH_STATE_LOCK, ModelRuntime, build_runtime, runtime_configs
 from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
 
@@ -35,7 +35,8 @@ class LazyRuntimes(Mapping):
 
     def __getitem__(self, key: str) -> ModelRuntime:
         if key not in self._built:
-            self._built[key] = build_runtime(self._configs[key])
+            with TORCH_STATE_LOCK:
+                self._built[key] = build_runtime(self._configs[key])
         return self._built[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -100,7 +101,7 @@ class Session:
             from trace_rl.trainer.run import check_resumes_at
             from trace_rl.trainer.trainer import Trainer
 
-            with TORCH_RNG_LOCK:
+            with TORCH_STATE_LOCK:
                 trainer = Trainer(self.config, self.storage)
                 restored, _ = trainer.restore()
             check_resumes_at(restored, step)

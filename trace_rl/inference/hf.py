@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from trace_rl.inference.weights import check_weights, safetensors_files
-from trace_rl.models import NEUTRAL_SAMPLING, TORCH_RNG_LOCK, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
+from trace_rl.models import (NEUTRAL_SAMPLING, TORCH_STATE_LOCK, Generation, RuntimeConfig, load_tokenizer,
+                             stop_token_ids)
 from trace_rl.hub import resolve_model_path
 
 # transformers' names for the neutral values (top_k 0 and min_p 0 keep every token)
@@ -56,7 +57,7 @@ class HFRuntime:
         stops = self.stop_token_ids
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        with self._lock, TORCH_RNG_LOCK, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with self._lock, TORCH_STATE_LOCK, torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids,
