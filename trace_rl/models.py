@@ -20,10 +20,11 @@ from trace_rl.config import LoraConfig
 if TYPE_CHECKING:
     from trace_rl.config import Config
 
-# The process's global torch RNG: a trainer seeds and restores it as it is built. With `[async]` sampling runs
-# beside training in another thread; whatever draws from or seeds the global RNG holds this lock, so neither moves
-# the other's random state (the hf sampler draws from per-request generators only).
-TORCH_RNG_LOCK = threading.Lock()
+# The process's global torch state: its RNG (a trainer seeds and restores it as it is built; the hf sampler draws
+# from per-request generators only) and the defaults transformers switches while it builds a model (meta device,
+# init flags). With `[async]` sampling runs beside training in another thread; building a runtime or a trainer
+# holds this lock, so neither thread moves the other's state.
+TORCH_STATE_LOCK = threading.Lock()
 
 
 class RuntimeConfig(BaseModel):

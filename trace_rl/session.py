@@ -17,7 +17,7 @@ from typing import Any
 from trace_rl.colocation import models_in_use
 from trace_rl.config import Config
 from trace_rl.names import POLICY
-from trace_rl.models import TORCH_RNG_LOCK, BaseModelView, ModelRuntime, build_runtime, runtime_configs
+from trace_rl.models import TORCH_STATE_LOCK, BaseModelView, ModelRuntime, build_runtime, runtime_configs
 from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
 
@@ -39,8 +39,11 @@ class LazyRuntimes(Mapping):
     def __getitem__(self, key: str) -> ModelRuntime:
         if key not in self._built:
             config = self._configs[key]
-            self._built[key] = (BaseModelView(config, self[config.base_of]) if config.base_of
-                                else build_runtime(config))
+            if config.base_of:  # the LoRA policy's base model: the policy's runtime without its adapter
+                self._built[key] = BaseModelView(config, self[config.base_of])
+            else:
+                with TORCH_STATE_LOCK:
+                    self._built[key] = build_runtime(config)
         return self._built[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -136,7 +139,7 @@ class Session:
             from trace_rl.trainer.run import check_resumes_at
             from trace_rl.trainer.trainer import Trainer
 
-            with TORCH_RNG_LOCK:
+            with TORCH_STATE_LOCK:
                 trainer = Trainer(self.config, self.storage)
                 restored, _ = trainer.restore()
             check_resumes_at(restored, step)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
-from trace_rl.models import TORCH_RNG_LOCK
+from trace_rl.models import TORCH_STATE_LOCK
 from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
 from trace_rl.schedule import check_staleness, lag_metrics
@@ -181,7 +181,7 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
         if not storage.is_stable(weights):
             from trace_rl.trainer.trainer import Trainer
 
-            with TORCH_RNG_LOCK:
+            with TORCH_STATE_LOCK:
                 trainer = Trainer(session.config, storage)
                 trainer.restore()
             trainer.export_weights(step)
