@@ -12,11 +12,10 @@ import pytest
 import tomli_w
 
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, output, start
+from tests.flows.test_crash_resume import STEPS, finish, output, start, weights
 from trace_rl.processes import command, descendants, is_alive, stat
 from trace_rl.storage import RunStorage
 
-STEPS = 3
 GONE_WITHIN_S = 15
 
 
@@ -28,15 +27,10 @@ def write_config(tmp_path: Path, name: str) -> Path:
     return path
 
 
-def final_weights(tmp_path: Path, name: str) -> bytes:
-    storage = RunStorage(str(tmp_path / "runs"), name)
-    return (Path(storage.path("weights", f"{STEPS:06d}")) / "model.safetensors").read_bytes()
-
-
 @pytest.mark.slow
 def test_killed_run_takes_its_workers_with_it_and_resumes_bitwise(prefect_api, tmp_path):
     finish(start(write_config(tmp_path, "straight")))
-    expected = final_weights(tmp_path, "straight")
+    expected = weights(tmp_path, "straight")
 
     config = write_config(tmp_path, "killed")
     storage = RunStorage(str(tmp_path / "runs"), "killed")
@@ -59,4 +53,4 @@ def test_killed_run_takes_its_workers_with_it_and_resumes_bitwise(prefect_api, t
 
     finish(start(config, "--resume"))
     assert storage.stable_steps("weights") == [2, 3]
-    assert final_weights(tmp_path, "killed") == expected
+    assert weights(tmp_path, "killed") == expected
