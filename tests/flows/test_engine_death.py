@@ -21,13 +21,14 @@ STEPS = 3
 FAIL_WITHIN_S = 60
 
 
-def write_config(tmp_path: Path, name: str, steps: int = STEPS) -> Path:
+def write_config(tmp_path: Path, name: str, steps: int = STEPS, completion_tokens: int = 256) -> Path:
     """A vLLM run whose steps sample for seconds (32 rollouts of 256 tokens), so a kill lands inside it."""
     import tomli_w
 
     data = small_config(str(tmp_path / "runs"), name, steps=steps, inference={"backend": "vllm", **VLLM_ENGINE},
-                        sampling={"max_completion_tokens": 256})
+                        sampling={"max_completion_tokens": completion_tokens})
     data["env"] = [{"id": "reverse-text", "batch_size": 4, "group_size": 8}]
+    data["trainer"]["micro_batch_tokens"] = VLLM_ENGINE["max_model_len"]  # room for any branch the engine can make
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(data))
     return path
@@ -64,16 +65,19 @@ def engine_cpu_seconds(parent: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def sampling(process: subprocess.Popen, api_url: str, run_name: str, step: int):
-    """A `ready()` for the sampling of `step`: its step flow run exists on the Prefect server (created by a
-    direct API call) and the engine has since worked for 0.1 CPU-seconds. (Task-run states reach the server
-    through events, too late to catch a few seconds of sampling by.)"""
+def sampling(process: subprocess.Popen, storage: RunStorage, step: int, api_url: str | None = None):
+    """A `ready()` for the sampling of `step`: the step before it has finished (its metrics.json is written after
+    its broadcast, so the engine's next work is this step's sampling), with `api_url` the step's flow run is on
+    the Prefect server, and the engine has since worked for 0.1 CPU-seconds (an idle engine uses next to none).
+    The sampling of a later step takes about a second here: waiting for the flow run can miss it."""
     baseline: list[float] = []
+    previous = storage.step_path(step - 1, "metrics.json")
+    flow_run = {"flow_runs": {"name": {"any_": [f"{storage.name}-step-{step}"]}}}
 
     def ready() -> bool:
         if not baseline:
-            body = {"flow_runs": {"name": {"any_": [f"{run_name}-step-{step}"]}}}
-            if httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=5).json():
+            if storage.exists(previous) and (
+                    api_url is None or httpx.post(f"{api_url}/flow_runs/filter", json=flow_run, timeout=5).json()):
                 baseline.append(engine_cpu_seconds(process.pid))
             return False
         return engine_cpu_seconds(process.pid) - baseline[0] > 0.1
@@ -112,7 +116,7 @@ def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefe
     config = write_config(tmp_path, "engine-killed")  # a name no other test's flow runs have on the server
     storage = RunStorage(str(tmp_path / "runs"), "engine-killed")
     run = start(config)
-    err = kill_engine_when(run, sampling(run, prefect_api, "engine-killed", 2), "while step 2 sampled")
+    err = kill_engine_when(run, sampling(run, storage, 2), "while step 2 sampled")
     assert "vLLM engine for 'policy'" in err and "died" in err, err[-3000:]
     assert not storage.exists(storage.step_path(2, "traces.parquet"))  # the kill landed inside the sampling
 

@@ -76,7 +76,7 @@ def alive(processes: dict[int, int]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefect_api, tmp_path):
-    config = write_config(tmp_path, "killed-run", steps=2)
+    config = write_config(tmp_path, "killed-run", steps=2, completion_tokens=768)  # a sampling the API sees
     run = start(config)
 
     def wait_for(ready, what: str) -> None:
@@ -91,7 +91,7 @@ def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefe
     assert_refused(cli("train", str(config), "--resume"), f"is being trained right now by process {run.pid}")
 
     storage = RunStorage(str(tmp_path / "runs"), "killed-run")
-    wait_for(sampling(run, prefect_api, "killed-run", 2), "step 2 sampled")
+    wait_for(sampling(run, storage, 2, prefect_api), "step 2 sampled")
     started = {pid: stat(pid).start for pid in descendants(run.pid)}
     assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
