@@ -6,7 +6,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.flows.conftest import small_config
-from trace_rl import processes, quiet
+from trace_rl import processes
+from trace_rl.trainer.workers import stop_all
 from trace_rl.loading import validate_config
 from trace_rl.session import session_for
 from trace_rl.storage import RunStorage
@@ -30,5 +31,5 @@ def test_a_run_on_two_gloo_workers_matches_one_process(prefect_api, tmp_path):
     workers = session_for(config).trainer_at(4)
     assert workers.alive and workers.step == 3 and len(workers.pids) == 2
     pids = list(workers.pids)
-    quiet.stop_engines()  # what the CLI does when the run ends
+    stop_all()  # what the CLI's quiet.stop_engines() does for workers (it would also stop the session's vLLM engine)
     assert not workers.alive and not any(processes.stat(pid) for pid in pids)

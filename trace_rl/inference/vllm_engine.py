@@ -322,6 +322,9 @@ class EngineWorker:
             future.result()
             self._thread.join()
         self._log.remove()
+        with self._lock:  # a runtime still holding this engine fails at once instead of waiting forever
+            self._error = self._error or EngineDeadError(f"{self.name} was shut down in this process; build a new "
+                                                         "runtime to start a new engine")
 
 
 ENGINES: dict[tuple, EngineWorker] = {}
