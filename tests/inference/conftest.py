@@ -104,7 +104,8 @@ def lora_run(tiny_model_path, tmp_path_factory) -> RunStorage:
 
     config = Config(name="lora", storage=str(tmp_path_factory.mktemp("lora-runs")), env=[{"id": "synthetic"}],
                     model={"name": tiny_model_path, "lora": {"rank": 8}},
-                    trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"})
+                    trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"},
+                    ckpt={"keep": LORA_STEPS})  # every step's adapter stays: the tests load each of them
     storage = RunStorage(config.storage, config.name)
     trainer = Trainer(config, storage)
     for step in range(1, LORA_STEPS + 1):

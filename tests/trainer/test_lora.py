@@ -23,6 +23,7 @@ def lora_config(make_config):
     def build(name: str = "lora", lora: dict | None = None, **trainer):
         config = make_config(name, **trainer)
         config.model.lora = {**LORA, **(lora or {})}  # validated on assignment
+        config.ckpt.keep = 10  # every step's adapter stays: the tests compare them step by step
         return config
 
     return build
