@@ -41,7 +41,7 @@ REWARD_KEY = "rollouts/reverse-text/reward_mean"
 BEFORE_TRAIN = ("algorithm/grpo", "validate_dimensions", "aggregate_channels", "write_batch")
 WORKLOADS = {  # overrides of configs/demo.toml
     "demo": [],
-    # transformers generate, one rollout at a time: sampling takes about as long as training here
+    # the transformers sampler: sampling takes about as long as training here
     "balanced": ["inference.backend=hf"],
 }
 TARGET_SPEEDUP = 1.5
