@@ -62,11 +62,12 @@ class DurableMoto:
         from tests.conftest import wait_for_port
 
         env = {**os.environ, "MOTO_ENABLE_RECORDING": "true", "MOTO_RECORDER_FILEPATH": str(self.journal)}
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, 30, self.process)
-        if self.journal.exists():
-            httpx.post(f"{self.endpoint}/moto-api/recorder/replay-recording", timeout=120).raise_for_status()
+        self.journal.touch()
+        # the journal is replayed before the port opens: a retrying client never sees a half-restored server
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.faults.moto_restored", str(self.journal), str(self.port)],
+            cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, 120, self.process)
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)

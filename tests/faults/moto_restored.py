@@ -1,0 +1,36 @@
+"""moto's S3 server, restored from its request journal before it listens: `python -m tests.faults.moto_restored
+JOURNAL PORT`. The journal is replayed in-process, so no client request can interleave with the replay."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from urllib.parse import urlsplit
+
+from moto.moto_api import recorder
+from moto.server import DomainDispatcherApplication, create_backend_app
+from werkzeug.serving import run_simple
+from werkzeug.test import Client
+
+
+def main(journal: str, port: int) -> None:
+    app = DomainDispatcherApplication(create_backend_app)
+    client = Client(app)
+    recorder.stop_recording()  # the replay is already in the journal
+    with open(journal) as entries:
+        for line in entries:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break  # the last line, half-written when the server was killed
+            body = base64.b64decode(entry["body"]) if entry.get("body_encoded") else (entry.get("body") or b"")
+            url = urlsplit(entry["url"])
+            headers = {k: v for k, v in entry["headers"].items() if k.lower() != "transfer-encoding"}
+            client.open(url.path, method=entry["method"], query_string=url.query, headers=headers, data=body)
+    recorder.start_recording()
+    run_simple("127.0.0.1", port, app, threaded=True, use_reloader=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
