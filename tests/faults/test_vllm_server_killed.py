@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import free_port, start_vllm_server
 from tests.faults.conftest import write_config
 from tests.flows.test_crash_resume import finish, output, start
+from tests.flows.test_engine_death import sampling
 from trace_rl.storage import RunStorage
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.vllm]
@@ -33,9 +34,9 @@ def test_vllm_server_killed_while_sampling_then_back(prefect_api, tmp_path, tiny
         server = start_vllm_server(tiny_model_path, port, log)
         process = start(config)
         deadline = time.monotonic() + 300
-        # the server reloads (pause, reload, resume) the base weights before step 1 and those of step 1 after
-        # it: step 2 samples after the second resume
-        while "/v1/completions" not in (log_path.read_text(errors="replace").split("POST /resume") + ["", ""])[2]:
+        # step 1's metrics.json is written after its broadcast: the server's next work is step 2's sampling
+        step_2_sampling = sampling(server, storage, 2)
+        while not step_2_sampling():
             assert process.poll() is None and time.monotonic() < deadline, output(process)[-3000:]
             time.sleep(0.01)
         os.killpg(server.pid, signal.SIGKILL)
