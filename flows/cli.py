@@ -134,11 +134,13 @@ def cmd_server(args) -> int:
         record = prefect_server.start()
         print(f"Prefect server running (pid {record['pid']}): UI {record['ui_url']}  API {record['api_url']}")
         os.environ["PREFECT_API_URL"] = record["api_url"]  # this command is about the embedded server
-        from flows.liveness import crash_gone_runs, ensure_zombie_automation
+        from flows.liveness import crash_gone_runs, crash_orphaned_subflows, ensure_zombie_automation
 
         ensure_zombie_automation()
         for run in crash_gone_runs(None, "found by `trace-rl server start`"):
             print(f"marked the flow run {run.name} ({run.id}) Crashed: the process that ran it is gone")
+        for run in crash_orphaned_subflows("found by `trace-rl server start`"):
+            print(f"marked the subflow run {run.name} ({run.id}) Crashed: its parent flow run has ended")
     elif args.action == "stop":
         print("stopped" if prefect_server.stop() else "no embedded server was running")
     else:

@@ -13,12 +13,20 @@ once:
 - `trace-rl server start` marks every open trace-rl flow run of this machine whose process is gone.
 
 For flow runs of other machines Prefect's own mechanism does it: `ensure_zombie_automation` keeps an
-automation on the server that marks a `train`, `train_step` or `replay` flow run Crashed once it sent
-no heartbeat for 9 minutes (flows heartbeat every 3 minutes, `PREFECT_FLOWS_HEARTBEAT_FREQUENCY`).
+automation on the server that marks a `train` or `replay` flow run Crashed once it sent no heartbeat for
+9 minutes (flows heartbeat every 3 minutes, `PREFECT_FLOWS_HEARTBEAT_FREQUENCY`).
+
+Subflows (`train_step`, `eval` inside `train`) run in their parent's process and send no heartbeat of
+their own (`without_heartbeat`): the parent's speaks for that process, and Prefect joins a flow run's
+heartbeat thread as the run ends, which waits out the thread's one-second sleep (0.9 s of a 1.1 s
+empty subflow here). An open subflow whose parent has finished (the automation marked it Crashed) is
+marked Crashed by the next `train` flow run or `trace-rl server start` (`crash_orphaned_subflows`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from uuid import UUID
 
@@ -37,6 +45,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.runtime import flow_run as current_flow_run
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Crashed
 from prefect.utilities.urls import url_for
 
@@ -45,10 +54,18 @@ from trace_rl.processes import identity, on_this_machine, still_running
 
 # states a process holds a run in (a Scheduled one, e.g. awaiting a retry, has no process yet)
 OPEN = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
-FLOWS = ["train", "train_step", "replay"]
+FLOWS = ["train", "replay"]  # the top-level flows, which send heartbeats
+SUBFLOWS = ["train_step", "eval"]
 LABEL = "trace-rl."
 ZOMBIE_AUTOMATION = "trace-rl: mark flow runs without heartbeats Crashed"
 ZOMBIE_AFTER = timedelta(minutes=9)  # three missed heartbeats at Prefect's default of one per 180 s
+
+
+@contextmanager
+def without_heartbeat() -> Iterator[None]:
+    """Flow runs started inside send no heartbeat: for subflows, whose parent's heartbeat covers their process."""
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
 
 
 def label_this_flow_run(run_url: str) -> None:
@@ -96,6 +113,23 @@ def crash_gone_runs(run_url: str | None, why: str, keep: UUID | None = None) -> 
     return crashed
 
 
+def crash_orphaned_subflows(why: str) -> list[FlowRun]:
+    """Mark open `train_step` and `eval` subflows whose parent flow run has finished Crashed (their
+    process is gone: the parent was marked Crashed by the heartbeat automation, on any machine)."""
+    crashed = []
+    with get_client(sync_client=True) as client:
+        for run in client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=SUBFLOWS)),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=OPEN)))):
+            if run.parent_task_run_id is None:  # a top-level `eval`: it sends its own heartbeats
+                continue
+            parent = client.read_flow_run(client.read_task_run(run.parent_task_run_id).flow_run_id)
+            if parent.state is not None and parent.state.is_final():
+                crash(client, run, f"its parent flow run {parent.name} ended {parent.state.name}; {why}")
+                crashed.append(run)
+    return crashed
+
+
 def crash(client, run: FlowRun, message: str) -> None:
     """Mark a flow run, its open subflows (all the way down) and its open task runs Crashed."""
     runs = [run]
@@ -123,7 +157,7 @@ def ensure_zombie_automation() -> None:
             return
         client.create_automation(AutomationCore(
             name=ZOMBIE_AUTOMATION,
-            description="trace-rl: a train, train_step or replay flow run that sent no heartbeat for "
+            description="trace-rl: a train or replay flow run that sent no heartbeat for "
                         f"{ZOMBIE_AFTER.total_seconds():.0f} s has no process left; mark it Crashed",
             trigger=EventTrigger(
                 after={"prefect.flow-run.heartbeat"},

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from flows.artifacts import aligned, history, publish, reward_mean, start_progress, update_progress
 from flows.eval import eval_table, evaluate_with_progress
-from flows.liveness import crash_gone_runs, label_this_flow_run
+from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_flow_run, without_heartbeat
 from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.evaluation import evaluates_at, finished_eval, tracker_metrics
@@ -42,6 +42,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     took_over = f"taken over by flow run {flow_run.get_id()} ({'resume' if retrying else mode}): {this_run}"
     for gone in crash_gone_runs(storage.url, took_over, keep=UUID(flow_run.get_id())):
         say(logger, console, f"marked the earlier flow run {gone.id} of {config.name} Crashed: its process is gone")
+    crash_orphaned_subflows(took_over)
     if first > 1:
         say(logger, console, f"continuing {config.name} at step {first} of {config.steps}")
     rows = history(config, first - 1)
@@ -59,7 +60,8 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
             started = time.perf_counter()
             ahead = sampled_while_training(step, config.async_.max_off_policy_steps, max(sampled, default=step),
                                            config.steps)
-            result = train_step(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
+            with without_heartbeat():
+                result = train_step(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
             sampled.update(zip(ahead, result["sampled"]))
             metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
             rows.append(metrics)
@@ -85,7 +87,8 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
 
 def run_eval_of_step(config: Config, step: int, bar: Progress, console: Console, trackers: Trackers) -> None:
     """The eval subflow on the weights of `step`, its metrics into the run's trackers and onto the terminal."""
-    rows = evaluate_with_progress(config, step, bar, track=False)
+    with without_heartbeat():
+        rows = evaluate_with_progress(config, step, bar, track=False)
     trackers.log_metrics(tracker_metrics(rows), step)
     console.print(eval_table(config, rows))
 

@@ -135,17 +135,41 @@ def test_server_start_marks_the_flow_runs_of_dead_processes_crashed(prefect_api,
     gone.wait()
     flow = httpx.post(f"{prefect_api}/flows/", json={"name": "train"}, timeout=10).json()
     labels = {"trace-rl.run": str(tmp_path / "runs" / "ghost"), **{f"trace-rl.{k}": v for k, v in process.items()}}
-    ghost = httpx.post(f"{prefect_api}/flow_runs/", timeout=10, json={
-        "flow_id": flow["id"], "name": "ghost", "labels": labels, "state": {"type": "RUNNING"}}).json()
+    ghost = flow_run(prefect_api, flow["id"], "ghost", {"type": "RUNNING"}, labels=labels)
     alive_labels = {**labels, **{f"trace-rl.{k}": v for k, v in identity().items()}}  # this process: alive
-    living = httpx.post(f"{prefect_api}/flow_runs/", timeout=10, json={
-        "flow_id": flow["id"], "name": "living", "labels": alive_labels, "state": {"type": "RUNNING"}}).json()
+    living = flow_run(prefect_api, flow["id"], "living", {"type": "RUNNING"}, labels=alive_labels)
+
+    # train_step subflows send no heartbeat: one whose parent ended Crashed (on another machine, by the heartbeat
+    # automation) is an orphan; one whose parent is alive is not
+    orphan = subflow(prefect_api, "ghost-step-3", parent=flow_run(prefect_api, flow["id"], "crashed-elsewhere",
+                                                                 {"type": "CRASHED"}))
+    child = subflow(prefect_api, "living-step-1", parent=living)
 
     result = cli("server", "start")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"marked the flow run ghost ({ghost['id']}) Crashed" in result.stdout
+    assert f"marked the subflow run ghost-step-3 ({orphan['id']}) Crashed" in result.stdout, result.stdout
+    state = httpx.get(f"{prefect_api}/flow_runs/{orphan['id']}", timeout=10).json()["state"]
+    assert state["name"] == "Crashed" and "parent flow run crashed-elsewhere ended Crashed" in state["message"], state
+    assert httpx.get(f"{prefect_api}/flow_runs/{child['id']}", timeout=10).json()["state"]["name"] == "Running"
     state = httpx.get(f"{prefect_api}/flow_runs/{ghost['id']}", timeout=10).json()["state"]
     assert state["name"] == "Crashed" and f"pid {gone.pid}" in state["message"] and "server start" in state["message"]
     assert httpx.get(f"{prefect_api}/flow_runs/{living['id']}", timeout=10).json()["state"]["name"] == "Running"
-    httpx.post(f"{prefect_api}/flow_runs/{living['id']}/set_state", timeout=10,
-               json={"state": {"type": "CANCELLED"}, "force": True}).raise_for_status()
+    for run in (living, child):
+        httpx.post(f"{prefect_api}/flow_runs/{run['id']}/set_state", timeout=10,
+                   json={"state": {"type": "CANCELLED"}, "force": True}).raise_for_status()
+
+
+def flow_run(api_url: str, flow_id: str, name: str, state: dict, **fields) -> dict:
+    response = httpx.post(f"{api_url}/flow_runs/", timeout=10,
+                          json={"flow_id": flow_id, "name": name, "state": state, **fields})
+    response.raise_for_status()
+    return response.json()
+
+
+def subflow(api_url: str, name: str, parent: dict) -> dict:
+    """A running `train_step` flow run under `parent`, tied to it by a task run, as Prefect ties subflows."""
+    task = httpx.post(f"{api_url}/task_runs/", timeout=10, json={
+        "flow_run_id": parent["id"], "task_key": "train_step", "dynamic_key": name, "name": name}).json()
+    flow = httpx.post(f"{api_url}/flows/", json={"name": "train_step"}, timeout=10).json()
+    return flow_run(api_url, flow["id"], name, {"type": "RUNNING"}, parent_task_run_id=task["id"])
