@@ -137,6 +137,16 @@ class SamplingConfig(Strict):
     temperature: float = Field(1.0, gt=0, description="sampling temperature; trainer logprobs use the same")
     max_completion_tokens: int = Field(64, gt=0, description="tokens per model turn")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    stop: list[str] = Field(
+        default_factory=list, description="stop strings: a turn ends with the token that completes one (the token "
+        "is kept), matched on the turn's text without special tokens; stop tokens are the model's `stop_tokens`")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, stop: list[str]) -> list[str]:
+        if "" in stop:
+            raise ValueError("an empty stop string would end every turn at once; remove it")
+        return stop
 
 
 class EnvConfig(Strict):

@@ -9,6 +9,7 @@ in, per-token logprobs out, the first token 0).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -71,8 +72,11 @@ class ModelRuntime(Protocol):
         """Scoring endpoints that `score(endpoint=i)` spreads over (1 for in-process models)."""
 
     async def generate(
-        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float, seed: int
-    ) -> Generation: ...
+        self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float, seed: int,
+        stop: Sequence[str] = (),
+    ) -> Generation:
+        """Sample one turn: it ends at a stop token, at the token that completes one of the `stop` strings
+        (kept), or after `max_tokens`."""
 
     async def score(self, token_ids: list[int], *, temperature: float = 1.0, endpoint: int = 0) -> np.ndarray: ...
 

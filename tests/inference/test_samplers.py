@@ -76,3 +76,49 @@ def test_configured_stop_tokens_end_a_turn(backend, tiny_model_path, prompt_ids,
     stopped = [g for g in ended if g.finish_reason == "stop"]
     assert stopped and all(g.token_ids[-1] in runtime.stop_token_ids for g in stopped)
     assert all(t not in runtime.stop_token_ids for g in ended for t in g.token_ids[:-1])
+
+
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(runtime, prompt_ids):
+    assert_stop_strings_cut_turns(runtime, prompt_ids)
+
+
+def assert_stop_strings_cut_turns(runtime, prompt_ids: list[int]) -> None:
+    """Under the same seed, a turn with a stop string is the turn without it cut right after the first token
+    whose text completes the string, with the same logprobs; a turn that never spells it is unchanged."""
+    text = lambda ids: runtime.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def sample(seed: int, stop: list[str] = ()):
+        return asyncio.run(runtime.generate(prompt_ids, temperature=1.5, max_tokens=40, top_p=1.0, seed=seed,
+                                            stop=stop))
+
+    free = {seed: sample(seed) for seed in range(6)}
+    # a piece of seed 0's text, two tokens of two or more whole characters, from its 3rd token on
+    ids = free[0].token_ids
+    stop = next(piece for i in range(2, len(ids) - 2)
+                if len(piece := text(ids[i:i + 2])) >= 2 and "\ufffd" not in piece)
+    cut_short = 0
+    for seed, whole in free.items():
+        ends = [k for k in range(1, len(whole.token_ids) + 1) if stop in text(whole.token_ids[:k])]
+        stopped = sample(seed, [stop, "never spelled \u2603"])
+        if ends:
+            assert stopped.token_ids == whole.token_ids[:ends[0]] and stopped.finish_reason == "stop", seed
+            cut_short += ends[0] < len(whole.token_ids)
+        else:
+            assert stopped.token_ids == whole.token_ids and stopped.finish_reason == whole.finish_reason, seed
+        np.testing.assert_allclose(stopped.logprobs, whole.logprobs[:len(stopped.token_ids)], atol=1e-6, rtol=0)
+    assert cut_short >= 1
+
+
+def test_env_sampling_stop_strings_reach_the_sampler(hf_runtime, prompt_ids):
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Sampler
+
+    def turn(stop: list[str]):
+        sampling = SamplingConfig(temperature=1.5, max_completion_tokens=40, stop=stop)
+        return asyncio.run(Sampler(hf_runtime, sampling, seed=7).generate(prompt_ids, seed=7))
+
+    whole = turn([])
+    stop = hf_runtime.tokenizer.decode(whole.token_ids[:3], skip_special_tokens=True)
+    stopped = turn([stop])
+    assert stopped.finish_reason == "stop" and 1 <= len(stopped.token_ids) <= 3
+    assert stopped.token_ids == whole.token_ids[:len(stopped.token_ids)]

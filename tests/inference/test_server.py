@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import free_port, start_vllm_server
 from tests.inference.conftest import UPDATED_STEP, trainer_logprobs
+from tests.inference.test_samplers import assert_stop_strings_cut_turns
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
 from trace_rl.models import RuntimeConfig, build_runtime
 from trace_rl.storage import RunStorage
@@ -51,6 +52,10 @@ def test_server_generates_reproducibly_with_trainer_logprobs(server_runtime, pro
     for endpoint in range(2):
         scores = asyncio.run(server_runtime.score(tokens, temperature=0.9, endpoint=endpoint))
         np.testing.assert_allclose(scores, trainer_logprobs(tiny_model_path, tokens, 0.9), atol=TOLERANCE)
+
+
+def test_server_stop_strings_cut_turns_as_the_engine_does(server_runtime, prompt_ids):
+    assert_stop_strings_cut_turns(server_runtime, prompt_ids)
 
 
 def test_server_broadcast_pauses_reloads_and_resumes(server_runtime, updated_weights, tmp_path, prompt_ids,

@@ -76,7 +76,7 @@ class Sampler:
             )
         request = self.runtime.generate(
             prompt_ids, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-            max_tokens=min(self.sampling.max_completion_tokens, room), seed=seed,
+            max_tokens=min(self.sampling.max_completion_tokens, room), seed=seed, stop=self.sampling.stop,
         )
         try:
             return await asyncio.wait_for(request, self.timeout_s)

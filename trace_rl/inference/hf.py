@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -69,11 +70,11 @@ class HFRuntime:
 
     async def generate(
         self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
-        adapter: bool = True,
+        stop: Sequence[str] = (), adapter: bool = True,
     ) -> Generation:
         """Sample a completion; `adapter=False` samples the base model under a loaded LoRA adapter."""
         request = Request(list(prompt_ids), temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                          adapter=adapter)
+                          adapter=adapter, stop=tuple(stop))
         return await asyncio.wrap_future(self._batcher.submit(request))
 
     def _decode(self, requests: list[Request], futures: list[Future]) -> None:
@@ -84,12 +85,16 @@ class HFRuntime:
             if rows:
                 with self._lock, self._adapter(adapter):
                     decoded = decode_batch(self.model, [requests[i] for i in rows], stop_ids=self.stop_token_ids,
-                                           pad_id=pad if pad is not None else self.stop_token_ids[0])
+                                           pad_id=pad if pad is not None else self.stop_token_ids[0],
+                                           decode=self._text)
                 generations.update(zip(rows, decoded))
         # all at once, in request order: the turns that follow start together and form the next batch,
         # the same one on every run
         for index, future in enumerate(futures):
             future.set_result(generations[index])
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- scoring ----------------------------------------------------------------------
     async def score(

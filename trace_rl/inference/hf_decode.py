@@ -2,8 +2,9 @@
 
 Prompts are left-padded into one batch (attention mask and per-row position ids hide the padding), then
 decoded one token per step with the KV cache. Every request keeps its own temperature, top-p, token
-budget and seeded `torch.Generator`, so what it samples does not depend on the other rows; a row leaves
-the batch (and its cache rows are dropped) as soon as it samples a stop token or reaches its budget.
+budget, stop strings and seeded `torch.Generator`, so what it samples does not depend on the other rows; a
+row leaves the batch (and its cache rows are dropped) as soon as it samples a stop token, completes a stop
+string (that token is kept, as vLLM keeps it) or reaches its budget.
 Rows agree with a one-request batch to float rounding only (CPU GEMM results depend on the row
 count), so the same seed gives the same tokens unless a draw falls within ~1e-7 of a boundary.
 
@@ -17,6 +18,7 @@ where the nucleus keeps the most likely tokens whose cumulative probability (asc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,7 @@ class Request:
     max_tokens: int
     seed: int
     adapter: bool = True  # a LoRA runtime: sample with its adapter (False: the base model); decoded in separate batches
+    stop: tuple[str, ...] = ()  # stop strings, matched on the completion's text without special tokens
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -60,6 +63,14 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     return ids.to(device), mask.to(device)
 
 
+def completes_stop_string(token_ids: list[int], stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> bool:
+    """Whether the text of `token_ids` now holds a stop string. Checked after every token, so a match is one the
+    newest token completed: only the tail is decoded, 4 tokens per character (a byte-level vocabulary spells
+    a character in at most 4 tokens) and one more."""
+    tail = decode(token_ids[-(4 * max(map(len, stop)) + 1):])
+    return any(string in tail for string in stop)
+
+
 @torch.no_grad()
 def decode_batch(
     model,
@@ -67,8 +78,10 @@ def decode_batch(
     *,
     stop_ids: list[int],
     pad_id: int,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[Generation]:
-    """Sample every request to completion; the generations in request order."""
+    """Sample every request to completion; the generations in request order. `decode` (token ids to text
+    without special tokens) is needed by requests with stop strings."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -94,8 +107,10 @@ def decode_batch(
             request = requests[index]
             request.token_ids.append(token)
             request.logprobs.append(logprob)
-            if token in stops or len(request.token_ids) >= request.max_tokens:
-                finished[index] = "stop" if token in stops else "length"
+            if token in stops or (request.stop and completes_stop_string(request.token_ids, request.stop, decode)):
+                finished[index] = "stop"  # also at the budget, as in vLLM
+            elif len(request.token_ids) >= request.max_tokens:
+                finished[index] = "length"
             else:
                 keep.append(row)
         if not keep:

@@ -34,6 +34,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -382,12 +383,12 @@ class VLLMEngineRuntime:
 
     async def generate(
         self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
-        adapter: bool = True,
+        stop: Sequence[str] = (), adapter: bool = True,
     ) -> Generation:
         """Sample a completion; `adapter=False` samples the base model under a loaded LoRA adapter."""
         output = await asyncio.wrap_future(self.worker.submit(list(prompt_ids), sampling_params(
-            self.stop_token_ids, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, logprobs=0),
-            self._lora(adapter)))
+            self.stop_token_ids, stop, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+            logprobs=0), self._lora(adapter)))
         output = output.outputs[0]
         token_ids = list(output.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(token_ids, output.logprobs)]
@@ -491,12 +492,13 @@ def check_full_distribution_scoring(key: str, vocab_size: int, temperature: floa
         )
 
 
-def sampling_params(stop_token_ids: list[int], **fields):
-    """vLLM SamplingParams of one request: its own fields, the stop tokens, and every other knob neutral."""
+def sampling_params(stop_token_ids: list[int], stop: Sequence[str], **fields):
+    """vLLM SamplingParams of one request: its own fields, the stop tokens and strings, and every other knob
+    neutral. Only a request with stop strings is detokenized (vLLM matches them on the text)."""
     from vllm import SamplingParams
 
-    return SamplingParams(detokenize=False, stop_token_ids=stop_token_ids, ignore_eos=True, **NEUTRAL_SAMPLING,
-                          **fields)
+    return SamplingParams(detokenize=bool(stop), stop=list(stop), stop_token_ids=stop_token_ids, ignore_eos=True,
+                          **NEUTRAL_SAMPLING, **fields)
 
 
 def prompt_logprobs_at(token_ids: list[int], positions: list[dict[int, float]], temperature: float) -> np.ndarray:

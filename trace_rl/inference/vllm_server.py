@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from collections.abc import Sequence
 
 import httpx
 import numpy as np
@@ -82,14 +83,14 @@ class VLLMServerRuntime:
 
     async def generate(
         self, prompt_ids: list[int], *, temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
-        adapter: bool = True,
+        stop: Sequence[str] = (), adapter: bool = True,
     ) -> Generation:
         """Sample a completion; `adapter=False` samples the base model under a loaded LoRA adapter."""
         choice = await self._complete(
             self.base_urls[next(self._next_endpoint)], adapter,
             prompt=list(prompt_ids), max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-            logprobs=0, return_token_ids=True, skip_special_tokens=False, **NEUTRAL_SAMPLING,
-            stop_token_ids=self.stop_token_ids, ignore_eos=True,
+            logprobs=0, return_token_ids=True, **NEUTRAL_SAMPLING,
+            stop=list(stop), stop_token_ids=self.stop_token_ids, ignore_eos=True,
         )
         return Generation(
             token_ids=list(choice["token_ids"]),
