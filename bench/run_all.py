@@ -215,7 +215,8 @@ def render_step(r: dict) -> list[str]:
         "library step",
         f"- storage overhead (Parquet hand-offs between stages): **{r['storage_overhead']:.1%}**",
         f"- Prefect + storage: **{r['total_overhead']:.1%}** (target < {r['target_overhead']:.0%}: "
-        f"{'met' if r['meets_target'] else 'not met'})",
+        f"{'met' if r['meets_target'] else 'not met'}), **{r['overhead_seconds']:.3f} s** per step (target <= "
+        f"{r['target_overhead_seconds']} s: {'met' if r['meets_target_seconds'] else 'not met'})",
         f"- mean reward per step, flow: {', '.join(f'{x:.3f}' for x in r['rewards']['flow'])}; library: "
         f"{', '.join(f'{x:.3f}' for x in r['rewards']['library'])}", ""]
 
@@ -296,6 +297,8 @@ def targets(results: dict) -> list[list]:
     if (step := get("step")) is not None:
         rows.append(["Prefect + storage overhead of a step", f"{step['total_overhead']:.1%}", "< 5%",
                      step["meets_target"]])
+        rows.append(["Prefect + storage overhead per step, seconds", f"{step['overhead_seconds']:.3f} s", "<= 0.5 s",
+                     step["meets_target_seconds"]])
     if (trl := get("trl")) is not None and "hf" in trl["ratios"]:
         hf = trl["ratios"]["hf"]
         rows.append(["step speed-up over TRL (both transformers generate)",
