@@ -38,7 +38,7 @@ class ScriptedRuntime:
         self.replies = list(replies)
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt_ids, *, temperature, max_tokens, top_p, seed) -> Generation:
+    async def generate(self, prompt_ids, *, temperature, max_tokens, top_p, seed, stop=()) -> Generation:
         self.prompts.append(list(prompt_ids))
         ids = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
         return Generation(token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop")
