@@ -13,7 +13,7 @@ once:
 - `trace-rl server start` marks every open trace-rl flow run of this machine whose process is gone.
 
 For flow runs of other machines Prefect's own mechanism does it: `ensure_zombie_automation` keeps an
-automation on the server that marks a `train` or `replay` flow run Crashed once it sent no heartbeat for
+automation on the server that marks a `train`, `replay` or `eval` flow run Crashed once it sent no heartbeat for
 9 minutes (flows heartbeat every 3 minutes, `PREFECT_FLOWS_HEARTBEAT_FREQUENCY`).
 
 Subflows (`train_step`, `eval` inside `train`) run in their parent's process and send no heartbeat of
@@ -54,7 +54,7 @@ from trace_rl.processes import identity, on_this_machine, still_running
 
 # states a process holds a run in (a Scheduled one, e.g. awaiting a retry, has no process yet)
 OPEN = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
-FLOWS = ["train", "replay"]  # the top-level flows, which send heartbeats
+FLOWS = ["train", "replay", "eval"]  # flows that send heartbeats (an `eval` inside `train` sends none)
 SUBFLOWS = ["train_step", "eval"]
 LABEL = "trace-rl."
 ZOMBIE_AUTOMATION = "trace-rl: mark flow runs without heartbeats Crashed"
@@ -157,7 +157,7 @@ def ensure_zombie_automation() -> None:
             return
         client.create_automation(AutomationCore(
             name=ZOMBIE_AUTOMATION,
-            description="trace-rl: a train or replay flow run that sent no heartbeat for "
+            description="trace-rl: a train, replay or eval flow run that sent no heartbeat for "
                         f"{ZOMBIE_AFTER.total_seconds():.0f} s has no process left; mark it Crashed",
             trigger=EventTrigger(
                 after={"prefect.flow-run.heartbeat"},

@@ -133,7 +133,7 @@ async def evaluate(session: Session, step: int, progress: Callable[[int, int], N
     finished = finished_eval(storage, step)
     if finished is not None:
         return {"metrics": finished, "reused": True}
-    await session.sync_policy(step + 1)  # step s + 1 samples with weights/<s>
+    await session.load_policy(step)  # weights/<step> itself, whatever [async] samples the next step with
     runtime = session.runtimes[POLICY]
     envs = config.eval.envs
     total, counter = len(envs) * config.eval.num_examples * config.eval.k, [0]

@@ -110,10 +110,13 @@ class Session:
         The first sync of a session always loads explicitly: an in-process engine is shared by
         every session of the process and may hold another run's weights.
         """
+        await self.load_policy(sampling_weights(step, self.config.async_.max_off_policy_steps))
+
+    async def load_policy(self, wanted: int) -> None:
+        """Make the policy runtime run `weights/<wanted>` (0: the base model), unless it already does."""
         from trace_rl.inference.broadcast import broadcast_weights
         from trace_rl.hub import resolve_model_path
 
-        wanted = sampling_weights(step, self.config.async_.max_off_policy_steps)
         if self._policy_version == wanted:
             return
         runtime = self.runtimes[POLICY]

@@ -112,3 +112,19 @@ def test_cli_eval_refuses_a_run_without_eval_or_weights(prefect_api, runs):
     assert no_eval.returncode == 2 and "has no [eval] section" in no_eval.stderr
     no_weights = cli("eval", RunStorage(evaluated.storage, evaluated.name).url, "--step", "9")
     assert no_weights.returncode == 2 and "--step 9" in no_weights.stderr and "[1, 2, 3, 4]" in no_weights.stderr
+
+
+def test_eval_with_async_sampling_scores_the_weights_of_its_step(runs):
+    """With `[async] max_off_policy_steps = 1` the sampler runs older weights than the step's: the eval of step 4
+    still scores `weights/4`, giving the synchronous run's numbers."""
+    from trace_rl.evaluation import evaluate
+    from trace_rl.session import session_for
+    from trace_rl.step import run_sync
+
+    _, evaluated = runs
+    before = pq.read_table(eval_dir(evaluated, 4) / "metrics.parquet")
+    (eval_dir(evaluated, 4) / "STABLE").unlink()
+    data = evaluated.model_dump(mode="json", by_alias=True)
+    data["async"] = {"max_off_policy_steps": 1}
+    run_sync(evaluate(session_for(validate_config(data)), 4))
+    assert pq.read_table(eval_dir(evaluated, 4) / "metrics.parquet").equals(before)

@@ -129,18 +129,22 @@ def test_checkpoint_and_weights_on_s3(make_config, s3_server):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_gloo_processes_match_one(make_config, parallel):
+def test_two_gloo_processes_match_one(make_config, parallel, activation_checkpointing):
+    """Also with activation checkpointing on the two ranks: the same step as one process without it."""
     single = make_config("single", micro_batch_tokens=48)
     store1 = storage_for(single)
     write_batches(store1, 1)
-    train_one_step(single, store1, 0)
+    expected = train_one_step(single, store1, 0)
 
-    double = make_config(f"double-{parallel}", micro_batch_tokens=48, num_processes=2, parallel=parallel)
+    double = make_config(f"double-{parallel}", micro_batch_tokens=48, num_processes=2, parallel=parallel,
+                         activation_checkpointing=activation_checkpointing)
     store2 = storage_for(double)
     write_batches(store2, 1)
     metrics = train_one_step(double, store2, 0)
     assert metrics["tokens"] == sum(len(s) for s in make_batch(100))
+    assert abs(metrics["loss"] - expected["loss"]) <= 1e-6
 
     a, b = exported(store1, 0), exported(store2, 0)
     initial = load_file(f"{single.model.name}/model.safetensors")

@@ -154,6 +154,15 @@ def register_env(cls: type[Environment]) -> type[Environment]:
     return cls
 
 
+def import_named(path: str, what: str) -> Any:
+    """The object a `package.module:name` path names; an EnvError naming `what` when it cannot be imported."""
+    module_name, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except Exception as exc:  # noqa: BLE001 - an ImportError, a missing name, or an error the module raised
+        raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
+
+
 def resolve_env_class(env_id: str) -> type[Environment]:
     """The class for a registered id or a `package.module:ClassName` import path."""
     import trace_rl.envs.builtins  # noqa: F401  (registers the builtins)
@@ -163,11 +172,7 @@ def resolve_env_class(env_id: str) -> type[Environment]:
     if ":" not in env_id:
         known = ", ".join(sorted(ENVIRONMENTS))
         raise EnvError(f"unknown env id {env_id!r}; use a builtin ({known}) or an import path 'package.module:Class'")
-    module_name, _, attr = env_id.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise EnvError(f"env {env_id!r}: cannot import it ({exc})") from None
+    cls = import_named(env_id, "env")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvError(f"env {env_id!r} is not a trace_rl Environment subclass")
     return cls

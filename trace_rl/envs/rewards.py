@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
-from trace_rl.envs.base import EnvError
+from trace_rl.envs.base import EnvError, import_named
 
 Reward = Callable[[str, str], float]
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
@@ -89,11 +89,7 @@ def load_reward(spec: str) -> Reward:
         return REWARDS[spec]
     if ":" not in spec:
         raise EnvError(f"unknown reward {spec!r}; use one of {', '.join(REWARDS)} or 'package.module:function'")
-    module_name, _, name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise EnvError(f"reward {spec!r}: cannot import it ({exc})") from None
+    function = import_named(spec, "reward")
     if not callable(function):
         raise EnvError(f"reward {spec!r} is not a function")
     return function

@@ -264,6 +264,10 @@ def create_app(allowed: Allowed, limits: Limits = Limits(), tokens: frozenset[st
                                f"this server speaks version {PROTOCOL_VERSION}")
         for config in request.algorithms:
             allowed.check(config.id)
+            if config.id == "echo" and config.options.get("filter") is not None:
+                # the filter is an import path the server would import and call: not on any allow-list
+                raise Refused(403, "echo's `filter` names code to import, which this server does not do for "
+                                   "clients; run echo with a filter in the training process instead")
         try:
             traces = [Trace.from_dict(data) for data in request.traces]
         except (TraceError, TypeError, ValueError) as exc:

@@ -6,7 +6,7 @@
 gloo on CPU, nccl on CUDA. The rank restores the latest checkpoint, writes `ready-<rank>.json`, then
 serves the numbered commands of the control directory in order: `{"step": S, "extra_state": PATH}`
 trains step S on its batch and joins in writing the checkpoint and the weights (rank 0 writes, then
-writes `result-<n>.json`); `{"stop": true}` ends it. An error is written to `error-<rank>.txt` and
+writes `result-<n>.json`); `{"stop": true}` ends it. An error is written to `error-<rank>.json` and
 ends the rank (torchrun then stops the others). The rank also ends when the launcher `PID` is gone.
 """
 
