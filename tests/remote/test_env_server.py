@@ -274,13 +274,14 @@ def post_run(url: str, body: str, token: str = TOKEN) -> httpx.Response:
     return httpx.post(f"{url}/run_algorithms", content=body, headers=auth(token), timeout=30)
 
 
-def position_request(algorithm_id: str = "position_signal") -> str:
-    return RunRequest(algorithms=[AlgorithmConfig(id=algorithm_id)],
+def position_request(algorithm_id: str = "position_signal", **options) -> str:
+    return RunRequest(algorithms=[AlgorithmConfig(id=algorithm_id, **options)],
                       traces=[reward_trace("t0", 1.0).to_dict()]).model_dump_json()
 
 
 def test_a_client_cannot_make_the_server_import_a_module(tmp_path, monkeypatch):
-    """`tests.remote.unlisted` writes a marker file when imported: naming it in a request must not import it."""
+    """`tests.remote.unlisted` writes a marker file when imported: naming it in a request, as an algorithm or as
+    echo's filter, must not import it."""
     marker = tmp_path / "imported"
     monkeypatch.setenv("TRACE_RL_TEST_IMPORT_MARKER", str(marker))
     with env_server(allow="tests.remote.algos:PositionSignal") as url:
@@ -289,7 +290,11 @@ def test_a_client_cannot_make_the_server_import_a_module(tmp_path, monkeypatch):
         other = post_run(url, position_request("slow_once"))  # registered by the module, but not allowed
         by_path = post_run(url, position_request("tests.remote.algos:PositionSignal"))
         allowed, builtin = post_run(url, position_request()), post_run(url, position_request("grpo"))
+        # a builtin that imports what it is told: echo's filter
+        filtered = post_run(url, position_request("echo", assistant=True,
+                                                  filter={"import_path": "tests.remote.unlisted:Unlisted"}))
     assert refused.status_code == 403 and not marker.exists()
+    assert filtered.status_code == 403 and "echo's `filter` names code to import" in filtered.json()["error"]
     assert refused.json()["error"] == ("algorithm 'tests.remote.unlisted:Unlisted' is not on this server's allow-list "
                                        "(position_signal); start the server with --allow module:Class for it")
     assert other.status_code == 403 and "'slow_once' is not on this server's allow-list" in other.json()["error"]
