@@ -1,11 +1,14 @@
 """moto's S3 server, restored from its request journal before it listens: `python -m tests.faults.moto_restored
-JOURNAL PORT`. The journal is replayed in-process, so no client request can interleave with the replay."""
+JOURNAL PORT`. The journal is replayed in-process, so no client request can interleave with the replay, and
+requests are journaled one at a time: moto's recorder writes an entry and its newline in two appends, so two
+server threads could otherwise put two entries on one line."""
 
 from __future__ import annotations
 
 import base64
 import json
 import sys
+import threading
 from urllib.parse import urlsplit
 
 from moto.moto_api import recorder
@@ -28,6 +31,13 @@ def main(journal: str, port: int) -> None:
             url = urlsplit(entry["url"])
             headers = {k: v for k, v in entry["headers"].items() if k.lower() != "transfer-encoding"}
             client.open(url.path, method=entry["method"], query_string=url.query, headers=headers, data=body)
+    record, one_at_a_time = recorder._record_request, threading.Lock()
+
+    def record_whole_line(*args, **kwargs):
+        with one_at_a_time:
+            record(*args, **kwargs)
+
+    recorder._record_request = record_whole_line
     recorder.start_recording()
     run_simple("127.0.0.1", port, app, threaded=True, use_reloader=False)
 
