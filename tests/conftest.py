@@ -147,7 +147,7 @@ def shared_vllm(vllm_runtime, tiny_model_path):
 
     yield vllm_runtime
     asyncio.run(vllm_runtime.load_weights(tiny_model_path, 0))
-    vllm_runtime.policy_version = 0
+    vllm_runtime.policy_step = 0
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ def test_k1_samples_the_next_step_while_one_trains():
 
 
 def test_a_trace_older_than_k_versions_is_refused():
-    traces = [make_trace("fresh", policy_version=3), make_trace("stale", policy_version=1)]
+    traces = [make_trace("fresh", policy_step=3), make_trace("stale", policy_step=1)]
     check_staleness(traces, step=5, max_off_policy_steps=3)  # v(5) = 1: both allowed
     with pytest.raises(StaleTraceError, match=r"step 5: 1 trace\(s\) \(first 'stale'\).*weights of step 1"):
         check_staleness(traces, step=5, max_off_policy_steps=1)
@@ -44,7 +44,7 @@ def test_a_trace_older_than_k_versions_is_refused():
 
 
 def test_lag_metrics_measure_the_distance_to_the_synchronous_schedule():
-    traces = [make_trace("a", policy_version=2), make_trace("b", policy_version=3)]
+    traces = [make_trace("a", policy_step=2), make_trace("b", policy_step=3)]
     assert lag_metrics(traces, step=5) == {"async/policy_step": 2.0, "async/policy_lag_mean": 1.5,
                                            "async/policy_lag_max": 2.0}
 

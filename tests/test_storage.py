@@ -17,7 +17,7 @@ def sample_traces():
         make_trace("t0", reward=1.0, rewards={"sim": 1.0}, info={"answer": "x", "n": [1, 2]},
                    branches=[b, make_branch(index=1, n=7)]),
         make_trace("t1", reward=0.0, error="sampler timeout", branches=[]),
-        make_trace("t2", agent="judge", trainable=False, policy_version=3),
+        make_trace("t2", agent="judge", trainable=False, policy_step=3),
     ]
 
 
@@ -78,6 +78,18 @@ def test_a_batch_without_the_sampled_column_reads_as_all_sampled(tmp_path):
     back = read_batch(storage, 0)
     assert [b.sampled.tolist() for b in back] == [[True] * 4, [True] * 9]
     assert back[1].rl_mask.tolist() == (np.arange(9) > 1).tolist()
+
+
+def test_a_trace_table_with_the_old_policy_version_column_reads_as_policy_step(tmp_path):
+    """traces.parquet written before the column was renamed `policy_step` keeps its sampling step."""
+    from trace_rl.tables import traces_to_table
+
+    storage = RunStorage(str(tmp_path), "run")
+    write_traces(storage, 2, sample_traces())
+    table = traces_to_table(sample_traces())
+    pq.write_table(table.rename_columns([n.replace("policy_step", "policy_version") for n in table.column_names]),
+                   storage.step_path(2, "traces.parquet"))
+    assert [t.policy_step for t in read_traces(storage, 2)] == [0, 0, 3]
 
 
 def test_layout_uses_six_digit_steps(storage):

@@ -52,7 +52,7 @@ def test_json_round_trip_is_exact_including_annotations():
     branch.advantages = np.array([0, 0, 0, 0.1, -1e-7], np.float32)
     branch.mask = np.array([0, 0, 0, 1, 1], bool)
     trace = make_trace(reward=0.25, rewards={"sim": 0.25}, metrics={"len": 3}, info={"answer": "cba"},
-                       error=None, policy_version=4, branches=[branch, make_branch(index=1)])
+                       error=None, policy_step=4, branches=[branch, make_branch(index=1)])
     again = Trace.from_json(trace.to_json())
     assert again.equals(trace)
     assert again.branches[0].advantages.dtype == np.float32

@@ -115,7 +115,7 @@ async def sample_env(config: Config, runtime, env_index: int, name: str, env_con
         for trace in traces:
             trace.env, trace.group_id = env_config.id, group_id
             trace.id = f"{group_id}-s{sample}-{trace.agent}"
-            trace.policy_version = int(getattr(runtime, "policy_version", 0))
+            trace.policy_step = int(getattr(runtime, "policy_step", 0))
         done()
         return traces, {"env": name, "example_id": example.id, "sample": sample,
                         **score_rollout(traces, evaluation.pass_reward)}

@@ -65,7 +65,7 @@ class ModelRuntime(Protocol):
     key: str
     config: RuntimeConfig
     tokenizer: Any  # a transformers tokenizer (with the chat template), always local
-    policy_version: int  # the trainer step whose weights it samples with (0: the initial weights)
+    policy_step: int  # the trainer step whose weights it samples with (0: the initial weights)
 
     @property
     def num_endpoints(self) -> int:
@@ -214,7 +214,7 @@ class TokenlessRuntime:
 
     num_endpoints = 1
     tokenizer = None
-    policy_version = 0
+    policy_step = 0
 
     def __init__(self, config: RuntimeConfig):
         self.key = config.key
@@ -241,7 +241,7 @@ class BaseModelView:
     weights, every request made without the adapter. What `[models.<key>]` naming the policy's base model
     (a reference, an opd teacher) gets when the policy trains LoRA adapters."""
 
-    policy_version = 0
+    policy_step = 0
 
     def __init__(self, config: RuntimeConfig, lora_runtime: ModelRuntime):
         self.key = config.key

@@ -100,7 +100,7 @@ async def sample_rollouts(
     config: Config, runtimes: Mapping[str, ModelRuntime], step: int
 ) -> tuple[list[Trace], RolloutSummary]:
     runtime = runtimes[config.actor]
-    policy_version = int(getattr(runtime, "policy_version", 0))
+    policy_step = int(getattr(runtime, "policy_step", 0))
     limit = asyncio.Semaphore(config.inference.max_concurrent)
     names = env_names(config)
 
@@ -118,7 +118,7 @@ async def sample_rollouts(
             trace.env = config.env[env_index].id
             trace.group_id = group_id
             trace.id = f"{group_id}-r{rollout}-{trace.agent}"
-            trace.policy_version = policy_version
+            trace.policy_step = policy_step
         ids = [trace.id for trace in traces]
         if len(set(ids)) < len(ids):
             twice = sorted({i for i in ids if ids.count(i) > 1})

@@ -33,16 +33,16 @@ def sampled_while_training(step: int, max_off_policy_steps: int, sampled_upto: i
 def check_staleness(traces: list[Trace], step: int, max_off_policy_steps: int) -> None:
     """StaleTraceError unless every trace of step `step` was sampled with weights v(step) or newer."""
     oldest_allowed = sampling_weights(step, max_off_policy_steps)
-    stale = [t for t in traces if t.policy_version < oldest_allowed]
+    stale = [t for t in traces if t.policy_step < oldest_allowed]
     if stale:
         raise StaleTraceError(
             f"step {step}: {len(stale)} trace(s) (first {stale[0].id!r}) were sampled with the weights of step "
-            f"{min(t.policy_version for t in stale)}, more than [async] max_off_policy_steps = {max_off_policy_steps} "
+            f"{min(t.policy_step for t in stale)}, more than [async] max_off_policy_steps = {max_off_policy_steps} "
             f"versions behind step {step - 1}: they are not trained on")
 
 
 def lag_metrics(traces: list[Trace], step: int) -> dict[str, float]:
     """How far behind the synchronous schedule (weights of step - 1) the step's traces were sampled."""
-    lags = [step - 1 - t.policy_version for t in traces] or [0]
-    return {"async/policy_step": float(min(t.policy_version for t in traces)) if traces else 0.0,
+    lags = [step - 1 - t.policy_step for t in traces] or [0]
+    return {"async/policy_step": float(min(t.policy_step for t in traces)) if traces else 0.0,
             "async/policy_lag_mean": sum(lags) / len(lags), "async/policy_lag_max": float(max(lags))}

@@ -71,7 +71,7 @@ class Session:
         self.uses_policy = POLICY in models_in_use(config)  # else no policy engine is started, nor reloaded
         self._trainer = None
         self._trainer_step: int | None = None
-        self._policy_version: int | None = None
+        self._policy_step: int | None = None
         self.cache: dict[Any, Any] = {}
 
     async def models_at(self, step: int) -> LazyRuntimes:
@@ -82,9 +82,9 @@ class Session:
         return self.runtimes
 
     @property
-    def policy_version(self) -> int | None:
+    def policy_step(self) -> int | None:
         """The step whose weights the policy runtime runs (0: the base model; None: not loaded yet)."""
-        return self._policy_version
+        return self._policy_step
 
     async def sleep_engines(self) -> None:
         """Colocated in-process vLLM engines free the GPU for the trainer (a no-op for any other runtime)."""
@@ -117,15 +117,15 @@ class Session:
         from trace_rl.inference.broadcast import broadcast_weights
         from trace_rl.hub import resolve_model_path
 
-        if self._policy_version == wanted:
+        if self._policy_step == wanted:
             return
         runtime = self.runtimes[POLICY]
         if wanted == 0:
             await runtime.load_weights(resolve_model_path(self.config.model.name, self.config.model.revision), 0)
-            runtime.policy_version = 0
+            runtime.policy_step = 0
         else:
             await broadcast_weights(runtime, self.storage, wanted)  # fails, naming the step, if not STABLE
-        self._policy_version = wanted
+        self._policy_step = wanted
 
     def trainer_at(self, step: int):
         """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint.

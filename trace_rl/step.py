@@ -200,7 +200,7 @@ async def broadcast_weights(session: Session, step: int) -> dict:
     """Make the sampler run the weights step `step + 1` samples with (those of `step`, without `[async]`), after
     waking the engines that slept for a colocated trainer."""
     await session.after_training(step)
-    return {"policy_version": session.policy_version}
+    return {"policy_step": session.policy_step}
 
 
 def algorithm_state_paths(session: Session, step: int, jobs: list[AlgorithmJob]) -> dict[str, str]:

@@ -41,7 +41,7 @@ TRACE_SCHEMA = pa.schema(
         ("info", pa.string()),
         ("messages", pa.list_(MESSAGE_TYPE)),
         ("error", pa.string()),
-        ("policy_version", pa.int64()),
+        ("policy_step", pa.int64()),
         ("num_branches", pa.int32()),
         ("branch_index", pa.int32()),
         ("temperature", pa.float64()),
@@ -90,7 +90,7 @@ def traces_to_table(traces: list[Trace]) -> pa.Table:
             "agent": trace.agent, "trainable": trace.trainable, "reward": trace.reward,
             "rewards": list(trace.rewards.items()), "metrics": list(trace.metrics.items()),
             "info": json.dumps(trace.info, sort_keys=True), "messages": [_message_row(m) for m in trace.messages],
-            "error": trace.error, "policy_version": trace.policy_version, "num_branches": len(trace.branches),
+            "error": trace.error, "policy_step": trace.policy_step, "num_branches": len(trace.branches),
         }
         for branch in trace.branches or [None]:
             for key, value in shared.items():
@@ -136,7 +136,7 @@ def table_to_traces(table: pa.Table) -> list[Trace]:
                 info=json.loads(columns["info"][row].as_py()),
                 messages=messages,
                 error=columns["error"][row].as_py(),
-                policy_version=columns["policy_version"][row].as_py(),
+                policy_step=columns["policy_step"][row].as_py(),
             )
         index = columns["branch_index"][row].as_py()
         if index is None:
@@ -268,7 +268,12 @@ def write_traces(storage: RunStorage, step: int, traces: list[Trace]) -> str:
 
 
 def read_traces(storage: RunStorage, step: int) -> list[Trace]:
-    return table_to_traces(read_table(storage, storage.step_path(step, "traces.parquet"), TRACE_SCHEMA))
+    path = storage.step_path(step, "traces.parquet")
+    table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
+    if "policy_version" in table.column_names and "policy_step" not in table.column_names:
+        # the column's name in trace tables written before 2026-11-23
+        table = table.rename_columns(["policy_step" if name == "policy_version" else name for name in table.column_names])
+    return table_to_traces(check_columns(table, TRACE_SCHEMA, storage.url_of_path(path)))
 
 
 def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -> str:

@@ -116,7 +116,7 @@ class Trace:
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
-    policy_version: int = 0
+    policy_step: int = 0
 
     def __post_init__(self) -> None:
         self.messages = [m if isinstance(m, Message) else Message(**m) for m in self.messages]
@@ -154,7 +154,7 @@ class Trace:
             "info": self.info,
             "messages": [m.model_dump(exclude_none=True) for m in self.messages],
             "error": self.error,
-            "policy_version": self.policy_version,
+            "policy_step": self.policy_step,
             "branches": [_branch_to_dict(b) for b in self.branches],
         }
 

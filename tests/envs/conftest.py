@@ -29,7 +29,7 @@ class ScriptedRuntime:
     """Answers with fixed replies (in order, each ending with the end-of-turn token) to steer an episode."""
 
     num_endpoints = 1
-    policy_version = 0
+    policy_step = 0
 
     def __init__(self, tokenizer, replies: list[str]):
         self.key = "policy"
@@ -51,7 +51,7 @@ class FailingRuntime:
     def __init__(self, inner, error: Exception | None = None, failures: int | None = None, delay_s: float = 0.0):
         self.inner = inner
         self.key, self.config, self.tokenizer = inner.key, inner.config, inner.tokenizer
-        self.policy_version = inner.policy_version
+        self.policy_step = inner.policy_step
         self.num_endpoints = 1
         self.error, self.failures, self.delay_s = error, failures, delay_s
         self.calls = 0

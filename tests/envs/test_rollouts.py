@@ -48,7 +48,7 @@ def test_groups_ids_temperatures_and_summary(runtime):
     assert {b.temperature for t in reverse for b in t.branches} == {0.7}
     assert {b.temperature for t in debate for b in t.branches} == {1.0}
     assert all(t.branches[0].sampled.sum() <= 6 for t in reverse)
-    assert {t.policy_version for t in traces} == {runtime.policy_version}
+    assert {t.policy_step for t in traces} == {runtime.policy_step}
     assert all(t.error is None for t in traces) and summary.retries == 0 and summary.errors == []
     rewards = np.array([t.reward for t in reverse])
     assert summary.envs["reverse-text"].reward_mean == pytest.approx(rewards.mean())

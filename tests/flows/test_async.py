@@ -47,8 +47,8 @@ def test_every_trace_was_sampled_with_the_scheduled_weights(async_run):
     storage = RunStorage(config.storage, config.name)
     for step in range(1, STEPS + 1):
         traces = read_traces(storage, step)
-        assert {t.policy_version for t in traces} == {sampling_weights(step, k)}, step
-        assert all(t.policy_version >= step - 1 - k for t in traces)  # never more than k versions behind
+        assert {t.policy_step for t in traces} == {sampling_weights(step, k)}, step
+        assert all(t.policy_step >= step - 1 - k for t in traces)  # never more than k versions behind
         metrics = storage.read_json(storage.step_path(step, "metrics.json"))
         assert metrics["async/policy_lag_max"] == step - 1 - sampling_weights(step, k)
         assert {"train/mismatch/k3_kl", "train/mismatch/mean_abs_logprob_diff", "train/mismatch/is_capped_fraction",
@@ -103,7 +103,7 @@ def test_k0_trains_the_same_weights_as_the_synchronous_library_loop(prefect_api,
         run_step(session, step)
     flow_storage, loop_storage = RunStorage(str(tmp_path), "k0-flow"), session.storage
     for step in (1, 2, 3):
-        assert {t.policy_version for t in read_traces(flow_storage, step)} == {step - 1}
+        assert {t.policy_step for t in read_traces(flow_storage, step)} == {step - 1}
     weights = [s.read_bytes(s.path("weights", "000003", "model.safetensors")) for s in (flow_storage, loop_storage)]
     assert weights[0] == weights[1]
 

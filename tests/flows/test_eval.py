@@ -68,8 +68,8 @@ def test_eval_writes_its_metrics_per_env(runs):
     assert row["completion_tokens_mean"] == pytest.approx(sum(s["completion_tokens"] for s in samples) / 12)
     assert row["completion_tokens_mean"] > 0
     assert row["error_fraction"] == 0.0
-    traces = pq.read_table(eval_dir(evaluated, 4) / "traces.parquet", columns=["trace_id", "policy_version"])
-    assert traces.num_rows == 12 and set(traces.column("policy_version").to_pylist()) == {4}
+    traces = pq.read_table(eval_dir(evaluated, 4) / "traces.parquet", columns=["trace_id", "policy_step"])
+    assert traces.num_rows == 12 and set(traces.column("policy_step").to_pylist()) == {4}
 
 
 def test_eval_table_artifact_on_the_server(prefect_api, runs):

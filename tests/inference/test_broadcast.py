@@ -23,7 +23,7 @@ def restore(runtime, tiny_model_path):
     """Put the runtime back on the tiny model's own weights (the vLLM engine is shared by the session)."""
     yield runtime
     asyncio.run(runtime.load_weights(tiny_model_path, 0))
-    runtime.policy_version = 0
+    runtime.policy_step = 0
 
 
 def test_broadcast_makes_new_weights_visible(restore, updated_weights, prompt_ids, tiny_model_path):
@@ -31,7 +31,7 @@ def test_broadcast_makes_new_weights_visible(restore, updated_weights, prompt_id
     tokens = prompt_ids + [70, 71, 72, 73]
     before = asyncio.run(runtime.score(tokens))
     asyncio.run(broadcast_weights(runtime, updated_weights, UPDATED_STEP))
-    assert runtime.policy_version == UPDATED_STEP
+    assert runtime.policy_step == UPDATED_STEP
     after = asyncio.run(runtime.score(tokens))
     new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
     assert np.abs(after - before).max() > 1e-2
@@ -62,7 +62,7 @@ def test_failed_broadcast_keeps_old_weights_and_names_step_and_backend(restore, 
             asyncio.run(broadcast_weights(runtime, storage, step))
         message = str(failure.value)
         assert f"step {step}" in message and backend in message and reason in message
-        assert runtime.policy_version == 0
+        assert runtime.policy_step == 0
         np.testing.assert_array_equal(asyncio.run(runtime.score(tokens)), before)
 
 
@@ -74,12 +74,12 @@ def test_broadcast_stages_object_storage_weights_locally(hf_runtime, s3_server, 
     tokens = prompt_ids + [80, 81]
     try:
         asyncio.run(broadcast_weights(hf_runtime, storage, 5))
-        assert hf_runtime.policy_version == 5
+        assert hf_runtime.policy_step == 5
         np.testing.assert_allclose(asyncio.run(hf_runtime.score(tokens)), trainer_logprobs(local, tokens, 1.0),
                                    atol=TOLERANCE)
     finally:
         asyncio.run(hf_runtime.load_weights(tiny_model_path, 0))
-        hf_runtime.policy_version = 0
+        hf_runtime.policy_step = 0
 
 
 @pytest.mark.vllm
@@ -97,7 +97,7 @@ def test_reload_never_serves_prefix_cached_kv_of_the_old_weights(vllm_runtime, t
         generation = sample(second)
     finally:
         asyncio.run(runtime.load_weights(tiny_model_path, 0))
-        runtime.policy_version = 0
+        runtime.policy_step = 0
     new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
     expected = trainer_logprobs(new_dir, second + generation.token_ids, 0.8)[len(second):]
     np.testing.assert_allclose(generation.logprobs, expected, atol=TOLERANCE)

@@ -95,5 +95,5 @@ def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_mo
                   runtime.generate([5, 6], temperature=1.0, max_tokens=2, seed=0)):
         with pytest.raises(EngineDeadError, match="victim"):
             asyncio.run(asyncio.wait_for(later, 10))
-    assert runtime.policy_version == 0
+    assert runtime.policy_step == 0
     runtime.worker.stop()

@@ -33,7 +33,7 @@ def check_serves_each_step(runtime, storage, base_dir: str, prompt_ids: list[int
     previous = None
     for step in range(1, LORA_STEPS + 1):
         asyncio.run(broadcast_weights(runtime, storage, step))
-        assert runtime.policy_version == step
+        assert runtime.policy_step == step
         generation = asyncio.run(runtime.generate(prompt_ids, temperature=TEMPERATURE, max_tokens=12, top_p=1.0,
                                                   seed=step))
         tokens = prompt_ids + generation.token_ids

@@ -69,10 +69,10 @@ def test_server_broadcast_pauses_reloads_and_resumes(server_runtime, updated_wei
         asyncio.run(broadcast_weights(server_runtime, broken, 2))
     # resumed after the failed reload: the server still answers, on the old weights
     np.testing.assert_array_equal(asyncio.run(server_runtime.score(tokens)), before)
-    assert server_runtime.policy_version == 0
+    assert server_runtime.policy_step == 0
     try:
         asyncio.run(broadcast_weights(server_runtime, updated_weights, UPDATED_STEP))
-        assert server_runtime.policy_version == UPDATED_STEP
+        assert server_runtime.policy_step == UPDATED_STEP
         new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
         np.testing.assert_allclose(asyncio.run(server_runtime.score(tokens)), trainer_logprobs(new_dir, tokens, 1.0),
                                    atol=TOLERANCE)

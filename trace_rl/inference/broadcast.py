@@ -5,7 +5,7 @@ broadcast stages that directory on local disk when the run lives in object stora
 then asks the runtime to load it: an in-process vLLM engine reloads in place, a vLLM
 server is paused, reloaded and resumed through its dev-mode routes, and the hf runtime
 copies the state dict. Every runtime checks the new weights before touching the old
-ones, so a failed broadcast leaves the sampler on its previous `policy_version`.
+ones, so a failed broadcast leaves the sampler on its previous `policy_step`.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ def stage_weights(storage: RunStorage, step: int) -> str:
 
 
 async def broadcast_weights(runtime: ModelRuntime, storage: RunStorage, step: int) -> None:
-    """Load `weights/<step>/` into the runtime and record `runtime.policy_version = step`."""
+    """Load `weights/<step>/` into the runtime and record `runtime.policy_step = step`."""
     try:
         local_dir = stage_weights(storage, step)
         await runtime.load_weights(local_dir, step)
     except Exception as exc:
         raise BroadcastError(
             f"weight broadcast of step {step} to the {backend_name(runtime)} for {runtime.key!r} failed "
-            f"(still on policy_version {getattr(runtime, 'policy_version', 0)}): {type(exc).__name__}: {exc}"
+            f"(still on policy_step {getattr(runtime, 'policy_step', 0)}): {type(exc).__name__}: {exc}"
         ) from exc
-    runtime.policy_version = step
+    runtime.policy_step = step

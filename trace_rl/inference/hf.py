@@ -40,7 +40,7 @@ class HFRuntime:
 
         self.key = config.key
         self.config = config
-        self.policy_version = 0
+        self.policy_step = 0
         path = resolve_model_path(config.name, config.revision)
         self.tokenizer = load_tokenizer(path)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,7 +133,7 @@ class HFRuntime:
                     for name, tensor in load_file(path).items():
                         current[name].copy_(tensor)
                 self.adapter_loaded = False
-        self.policy_version = version
+        self.policy_step = version
 
     def _load_adapter(self, local_dir: str) -> None:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict

@@ -367,7 +367,7 @@ class VLLMEngineRuntime:
     def __init__(self, config: RuntimeConfig):
         self.key = config.key
         self.config = config
-        self.policy_version = 0
+        self.policy_step = 0
         self.worker = engine_for(config)
         self.tokenizer = load_tokenizer(self.worker.model_path)
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
@@ -433,7 +433,7 @@ class VLLMEngineRuntime:
 
             await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
             await self._swap_adapter(None)
-        self.policy_version = version
+        self.policy_step = version
 
     async def sleep(self) -> None:
         """Free the GPU for a colocated trainer: level 1 moves the weights to CPU memory and drops the KV cache.

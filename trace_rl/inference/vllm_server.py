@@ -45,7 +45,7 @@ class VLLMServerRuntime:
             raise ValueError(f"model {config.key!r}: a vLLM server runtime needs base_url")
         self.key = config.key
         self.config = config
-        self.policy_version = 0
+        self.policy_step = 0
         self.base_urls = [url.rstrip("/").removesuffix("/v1") for url in config.base_urls]
         model_path = resolve_model_path(config.name, config.revision)
         self.tokenizer = load_tokenizer(model_path)
@@ -134,7 +134,7 @@ class VLLMServerRuntime:
         if old is not None:
             await asyncio.gather(*(self._post(url, "/v1/unload_lora_adapter", {"lora_name": old})
                                    for url in self.base_urls))
-        self.policy_version = version
+        self.policy_step = version
 
     async def _reload_endpoint(self, base_url: str, local_dir: str) -> None:
         await self._post(base_url, "/pause", params={"mode": "wait"})
