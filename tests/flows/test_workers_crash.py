@@ -36,7 +36,7 @@ def test_killed_run_takes_its_workers_with_it_and_resumes_bitwise(prefect_api, t
     storage = RunStorage(str(tmp_path / "runs"), "killed")
     run = start(config)
     deadline = time.monotonic() + 600
-    while not storage.exists(storage.step_path(2, "batch.parquet")):  # step 2's train stage is next
+    while not storage.exists(storage.step_path(2, "traces.parquet")):  # inside step 2, before its train stage
         assert run.poll() is None, f"the run ended before the kill point: {output(run)[-3000:]}"
         assert time.monotonic() < deadline, "kill point never reached"
         time.sleep(0.005)

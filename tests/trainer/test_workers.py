@@ -86,3 +86,13 @@ def test_a_worker_sigkilled_mid_step_fails_the_step_and_fresh_workers_resume_bit
         train_one_step(config, store, 3, workers)  # the retry: fresh workers restore checkpoint 2
         assert not set(workers.pids) & set(first_pids)
     assert weights_bytes(store, 3) == expected
+
+
+def test_fresh_workers_without_a_checkpoint_refuse_a_later_step(make_config):
+    """Step 2 after a worker death with no checkpoint of step 1 (e.g. `ckpt.interval = 5`) must not train
+    on the base model: only the first step may start from it."""
+    config, store = two_ranks(make_config, "no-checkpoint", "ddp")
+    with TrainerWorkers(config, store) as workers:
+        with pytest.raises(TrainerError, match="step 2 trains on the state after step 1, but the latest checkpoint is none"):
+            train_one_step(config, store, 2, workers)
+        assert not store.is_stable(store.path("weights", "000002"))

@@ -105,10 +105,12 @@ class TrainerWorkers:
             self.stop()
             self.start()
         check_resumes_at(self.step, step)
-        if self.step is not None and self.step != step - 1:
+        first_step = self.step is None and step <= 1  # no checkpoint: only the first step starts from the base model
+        if not first_step and self.step != step - 1:
             raise TrainerError(
-                f"step {step} trains on the state after step {step - 1}, but the latest checkpoint is of step "
-                f"{self.step}; resume the run (it re-runs the steps after its newest checkpoint)")
+                f"step {step} trains on the state after step {step - 1}, but the latest checkpoint is "
+                f"{'none' if self.step is None else 'of step ' + str(self.step)}; resume the run (it re-runs the "
+                "steps after its newest checkpoint)")
         n = self._sent
         self._sent += 1
         extra_path = os.path.join(self.control, f"extra-{n}.pt")
