@@ -127,6 +127,15 @@ def test_top_p_below_one_on_the_trained_policy_is_refused_but_allowed_for_anothe
     assert config.sampling.top_p == 0.9
 
 
+def test_cpu_offload_needs_fsdp_and_runs_on_workers():
+    [found] = problems(minimal(trainer={"cpu_offload": True}))
+    assert found == ("trainer: trainer.cpu_offload = true needs trainer.parallel = 'fsdp' (FSDP2 "
+                     "offloads its shards; DDP keeps a whole copy on every GPU): set trainer.parallel = 'fsdp'")
+    config = validate_config(minimal(trainer={"cpu_offload": True, "parallel": "fsdp"}))
+    assert config.trainer.num_processes == 1 and config.trainer.uses_workers
+    assert not validate_config(minimal(trainer={"parallel": "fsdp"})).trainer.uses_workers
+
+
 def test_stop_tokens_must_be_tokens_of_the_model(tiny_model_path):
     [found] = problems(minimal(model={"stop_tokens": ["<|im_end|>", "<|eot_id|>"]}))
     assert found.startswith("model.stop_tokens: '<|eot_id|>' is not a token of tiny's tokenizer")

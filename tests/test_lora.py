@@ -66,6 +66,8 @@ def test_fsdp_and_adapters_on_other_models_are_refused():
     [found] = problems(data({"rank": 4}, trainer=trainer))
     assert found.startswith("model.lora with trainer.parallel = 'fsdp' is not supported; use trainer.parallel = 'ddp'")
     assert validate_config(data({"rank": 4}, trainer={**trainer, "num_processes": 1})).model.lora.rank == 4
+    [found] = problems(data({"rank": 4}, trainer={**trainer, "num_processes": 1, "cpu_offload": True}))
+    assert found.startswith("model.lora with trainer.parallel = 'fsdp' is not supported")
     [found] = problems(data(None, models={"reference": {"name": "tiny", "lora": {"rank": 4}}}))
     assert found == "models.reference.lora: only the trained model has adapters; move it to [model.lora] or remove it"
 

@@ -187,12 +187,29 @@ class TrainerConfig(Strict):
     truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
     num_processes: int = Field(1, gt=0, description="torchrun workers; > 1: started once per run and kept up "
                                "across steps (docs/trainer.md)")
-    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="with num_processes > 1: DDP or FSDP2 (fully_shard)")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="with num_processes > 1 (or cpu_offload): DDP or FSDP2 (fully_shard)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder block's activations in backward instead of keeping them "
         "(less memory, ~1/3 more compute); single process, DDP and FSDP")
+    cpu_offload: bool = Field(
+        False, description="FSDP2's CPU offload: parameters, gradients and AdamW state stay in CPU memory and each "
+        "block's weights come to the GPU only while it computes; the optimizer step runs on the CPU. Needs "
+        "parallel = 'fsdp'; with num_processes = 1 the trainer runs as one persistent worker (docs/scaling.md)")
     loss: LossConfig = Field(default_factory=LossConfig, description="[trainer.loss]")
+
+    @model_validator(mode="after")
+    def _offload_needs_fsdp(self) -> TrainerConfig:
+        if self.cpu_offload and self.parallel != "fsdp":
+            raise ValueError("trainer.cpu_offload = true needs trainer.parallel = 'fsdp' (FSDP2 offloads its shards; "
+                             "DDP keeps a whole copy on every GPU): set trainer.parallel = 'fsdp'")
+        return self
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether training runs on persistent torchrun workers (trace_rl.trainer.workers), not in this process."""
+        return self.num_processes > 1 or self.cpu_offload
 
 
 class CheckpointConfig(Strict):
@@ -324,9 +341,10 @@ class Config(Strict):
         if extra:
             raise ValueError(f"{', '.join(extra)}: only the trained model has adapters; move it to [model.lora] "
                              "or remove it")
-        if self.model.lora is not None and self.trainer.num_processes > 1 and self.trainer.parallel == "fsdp":
+        if self.model.lora is not None and self.trainer.uses_workers and self.trainer.parallel == "fsdp":
             raise ValueError("model.lora with trainer.parallel = 'fsdp' is not supported; use trainer.parallel = "
-                             "'ddp' (adapters are small: every rank holds them whole) or trainer.num_processes = 1")
+                             "'ddp' (adapters are small: every rank holds them whole) or trainer.num_processes = 1 "
+                             "without trainer.cpu_offload")
         return self
 
     @model_validator(mode="after")

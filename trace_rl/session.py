@@ -130,9 +130,10 @@ class Session:
     def trainer_at(self, step: int):
         """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint.
 
-        With `trainer.num_processes > 1`: the run's torchrun workers, started at their first step and kept up
+        With `trainer.uses_workers` (num_processes > 1 or cpu_offload): the run's torchrun workers, started at their
+        first step and kept up
         (they restore or restart themselves, see `trace_rl.trainer.workers`)."""
-        if self.config.trainer.num_processes > 1:
+        if self.config.trainer.uses_workers:
             if self._trainer is None:
                 from trace_rl.trainer.workers import TrainerWorkers
 

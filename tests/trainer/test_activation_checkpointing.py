@@ -1,5 +1,5 @@
 """Activation checkpointing and FSDP2 mixed precision: the same step, less memory. (Two gloo ranks with activation
-checkpointing against one process: tests/trainer/test_trainer.py::test_two_gloo_processes_match_one.)"""
+checkpointing against one process: tests/trainer/test_trainer.py::test_gloo_workers_match_one_process.)"""
 
 from __future__ import annotations
 

@@ -129,17 +129,21 @@ def test_checkpoint_and_weights_on_s3(make_config, s3_server):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation_checkpointing", [False, True])
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_gloo_processes_match_one(make_config, parallel, activation_checkpointing):
-    """Also with activation checkpointing on the two ranks: the same step as one process without it."""
+@pytest.mark.parametrize("num_processes, parallel, activation_checkpointing, cpu_offload", [
+    (2, "ddp", False, False), (2, "ddp", True, False), (2, "fsdp", False, False), (2, "fsdp", True, False),
+    (2, "fsdp", False, True), (1, "fsdp", False, True),
+])
+def test_gloo_workers_match_one_process(make_config, num_processes, parallel, activation_checkpointing, cpu_offload):
+    """The same step as one plain process: on two ranks, with activation checkpointing, and with FSDP2's CPU
+    offload (shards and AdamW state in CPU memory), also as one persistent worker."""
     single = make_config("single", micro_batch_tokens=48)
     store1 = storage_for(single)
     write_batches(store1, 1)
     expected = train_one_step(single, store1, 0)
 
-    double = make_config(f"double-{parallel}", micro_batch_tokens=48, num_processes=2, parallel=parallel,
-                         activation_checkpointing=activation_checkpointing)
+    double = make_config(f"workers-{parallel}", micro_batch_tokens=48, num_processes=num_processes,
+                         parallel=parallel, activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
+    assert double.trainer.uses_workers
     store2 = storage_for(double)
     write_batches(store2, 1)
     metrics = train_one_step(double, store2, 0)

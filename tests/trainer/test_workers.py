@@ -96,3 +96,22 @@ def test_fresh_workers_without_a_checkpoint_refuse_a_later_step(make_config):
         with pytest.raises(TrainerError, match="step 2 trains on the state after step 1, but the latest checkpoint is none"):
             train_one_step(config, store, 2, workers)
         assert not store.is_stable(store.path("weights", "000002"))
+
+
+def test_an_offloaded_worker_restores_its_checkpoint_bitwise(make_config):
+    """`trainer.cpu_offload` on one worker: shards and AdamW state restored from checkpoint 1 into CPU memory
+    train step 2 to the same bytes as a worker that kept them."""
+    stores = []
+    for name in ("kept", "restored"):
+        config = make_config(name, micro_batch_tokens=48, parallel="fsdp", cpu_offload=True)
+        store = storage_for(config)
+        for step in (1, 2):
+            write_batch(store, step, make_batch(100 + step))
+        with TrainerWorkers(config, store) as workers:
+            train_one_step(config, store, 1, workers)
+            if name == "restored":
+                workers.stop()
+            train_one_step(config, store, 2, workers)
+        stores.append(store)
+    assert weights_bytes(stores[0], 2) == weights_bytes(stores[1], 2)
+    assert weights_bytes(stores[0], 1) != weights_bytes(stores[0], 2)

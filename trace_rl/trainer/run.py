@@ -1,7 +1,7 @@
 """Train one step given the config, the run storage and the step, in-process or as torchrun workers.
 
-`train_one_step` is what the pipeline calls. With `trainer.num_processes == 1` it
-trains in this process (reusing a warm `Trainer` if given); otherwise it hands the
+`train_one_step` is what the pipeline calls. With `trainer.num_processes == 1` (and no
+`trainer.cpu_offload`) it trains in this process (reusing a warm `Trainer` if given); otherwise it hands the
 step to torchrun workers (`trace_rl.trainer.workers`, kept up across steps), whose ranks
 train on `steps/<step>/batch.parquet` and write the checkpoint and the weights (rank 0
 writes). Either way, on return `weights/<step>/` is STABLE, and so is
@@ -54,10 +54,10 @@ def train_one_step(
 
     In-process, a given `trainer` is used as is (the caller keeps it warm between
     steps); without one, a new Trainer restores the latest checkpoint first. With
-    `num_processes > 1`, `trainer` is the run's `TrainerWorkers` (kept up between steps);
+    `config.trainer.uses_workers`, `trainer` is the run's `TrainerWorkers` (kept up between steps);
     without one, workers are started for this step alone.
     """
-    if config.trainer.num_processes > 1:
+    if config.trainer.uses_workers:
         from trace_rl.trainer.workers import TrainerWorkers
 
         if isinstance(trainer, TrainerWorkers):  # the run's persistent workers

@@ -245,7 +245,8 @@ class Trainer:
             # keeps calling that model itself (its decoder and output layer, as without LoRA)
             self.peft = get_peft_model(self.module, peft_config(config.model.lora))
             self.module = self.peft.get_base_model()
-        self.module.to(self.device)
+        if not config.trainer.cpu_offload:  # offloaded shards stay in CPU memory: the whole model never goes to the GPU
+            self.module.to(self.device)
         self.module.config.use_cache = False
         if config.trainer.activation_checkpointing:
             # non-reentrant: works under DDP and FSDP2 and with inputs that need no gradient (token ids)
@@ -271,6 +272,10 @@ class Trainer:
         from torch.distributed.fsdp import fully_shard
 
         policy = {"mp_policy": mixed_precision(self.dtype)} if self.dtype != torch.float32 else {}
+        if self.config.trainer.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            policy["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         block_names = set(getattr(module, "_no_split_modules", None) or [])
         for sub in module.modules():
             if type(sub).__name__ in block_names:
@@ -283,7 +288,9 @@ class Trainer:
             return contextlib.nullcontext()
         if self.config.trainer.parallel == "ddp":
             return contextlib.nullcontext() if enabled else self.model.no_sync()
-        self.model.set_requires_gradient_sync(enabled)
+        # offloaded: every micro-batch's gradients go to CPU memory and add up there; skipping the sync would
+        # accumulate unsharded gradients of the whole model on the GPU instead
+        self.model.set_requires_gradient_sync(enabled or self.config.trainer.cpu_offload)
         return contextlib.nullcontext()
 
     def _autocast(self):

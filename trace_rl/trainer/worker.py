@@ -3,11 +3,12 @@
     python -m torch.distributed.run --standalone --nproc_per_node N -m trace_rl.trainer.worker \\
         --control DIR --parent PID:START
 
-gloo on CPU, nccl on CUDA. The rank restores the latest checkpoint, writes `ready-<rank>.json`, then
-serves the numbered commands of the control directory in order: `{"step": S, "extra_state": PATH}`
-trains step S on its batch and joins in writing the checkpoint and the weights (rank 0 writes, then
-writes `result-<n>.json`); `{"stop": true}` ends it. An error is written to `error-<rank>.json` and
-ends the rank (torchrun then stops the others). The rank also ends when the launcher `PID` is gone.
+gloo on CPU; on CUDA nccl, and gloo for CPU tensors (offloaded shards). The rank restores the
+latest checkpoint, writes `ready-<rank>.json`, then serves the numbered commands of the control
+directory in order: `{"step": S, "extra_state": PATH}` trains step S on its batch and joins in
+writing the checkpoint and the weights (rank 0 writes, then writes `result-<n>.json`);
+`{"stop": true}` ends it. An error is written to `error-<rank>.json` and ends the rank (torchrun
+then stops the others). The rank also ends when the launcher `PID` is gone.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def serve(control: str, parent: int, parent_start: int) -> None:
     while not (command := next_command(control, n, parent, parent_start)).get("stop"):
         extra_state = torch.load(command["extra_state"], weights_only=False)
         metrics = train_in_process(trainer, storage, command["step"], extra_state)
+        if trainer.device.type == "cuda":
+            torch.cuda.empty_cache()  # the step's freed activations: colocated engines wake up into that memory
         if rank == 0:
             write_json_atomic(os.path.join(control, f"result-{n}.json"), metrics)
         n += 1
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         device = resolve_device(Config.model_validate_json(f.read()).trainer.device, int(os.environ["LOCAL_RANK"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # CPU-offloaded shards (trainer.cpu_offload) are gathered for checkpoints and clipped on the CPU: gloo
+    dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
     try:
         serve(args.control, parent, parent_start)
     except LauncherGone:

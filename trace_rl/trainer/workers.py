@@ -1,6 +1,6 @@
 """Persistent torchrun trainer workers: started once per run, kept up across steps.
 
-With `trainer.num_processes = N > 1` the run's process starts
+With `trainer.num_processes = N > 1`, or `trainer.cpu_offload` (N = 1 too), the run's process starts
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node N \\
         -m trace_rl.trainer.worker --control DIR --parent PID:START
