@@ -18,7 +18,7 @@ from flows.eval import eval_table, evaluate_with_progress
 from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_flow_run, without_heartbeat
 from flows.step import train_step
 from trace_rl.config import Config
-from trace_rl.evaluation import evaluates_at, finished_eval, tracker_metrics
+from trace_rl.evaluation import eval_dir, evaluates_at, tracker_metrics
 from trace_rl.run import prepare_run
 from trace_rl.schedule import sampled_while_training
 from trace_rl.storage import RunStorage, step_name
@@ -53,7 +53,9 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
                   disable=not console.is_terminal) as bar, Trackers(config, storage) as trackers:
         task = bar.add_task(config.name, total=config.steps, completed=first - 1, last="")
         # an eval the last process did not finish (it died between a step and its eval)
-        for step in [s for s in range(1, first) if evaluates_at(config, s) and finished_eval(storage, s) is None]:
+        unfinished = [s for s in range(1, first)
+                      if evaluates_at(config, s) and not storage.is_stable(eval_dir(storage, s))]
+        for step in unfinished:
             run_eval_of_step(config, step, bar, console, trackers)
         sampled: dict[int, dict] = {}  # `sample_rollouts` results of steps an earlier step sampled ([async])
         for step in range(first, config.steps + 1):

@@ -9,8 +9,9 @@ Eval draws nothing from training's randomness: its examples and sampling seeds d
 (run seed, "eval", env, example, sample), the samplers seed every request themselves, and nothing
 of the trainer is touched; so a run's weights are the same with and without eval.
 
-Results go to `eval/step_<step>/` (traces.parquet, samples.parquet, metrics.parquet), marked STABLE
-last; a finished eval is read back instead of being run again.
+Results go to `eval/step_<step>/` (traces.parquet, samples.parquet, metrics.parquet, and settings.json:
+`eval_settings`), marked STABLE last; a finished eval with the same settings is read back instead of
+being run again, one with other settings is run again and replaced.
 """
 
 from __future__ import annotations
@@ -58,11 +59,21 @@ def check_eval(config: Config, step: int) -> None:
                            f"model) or one of {done}")
 
 
-def finished_eval(storage: RunStorage, step: int) -> list[dict] | None:
-    """The metrics rows of a finished (STABLE) eval of `step`, else None."""
+def eval_settings(config: Config) -> dict:
+    """What an eval's numbers depend on besides the weights: `[eval]`, the sampling it uses and the run seed."""
+    evaluation: EvalConfig = config.eval
+    return {"eval": evaluation.model_dump(mode="json", exclude={"interval"}),
+            "sampling": (evaluation.sampling or config.sampling).model_dump(mode="json"), "seed": config.seed}
+
+
+def finished_eval(config: Config, storage: RunStorage, step: int) -> list[dict] | None:
+    """The metrics rows of a finished (STABLE) eval of `step` with these settings, else None."""
     directory = eval_dir(storage, step)
     if not storage.is_stable(directory):
         return None
+    settings = f"{directory}/settings.json"
+    if not storage.exists(settings) or storage.read_json(settings) != eval_settings(config):
+        return None  # evaluated with other [eval] settings (or before they were recorded): run again, replace it
     return read_table(storage, f"{directory}/metrics.parquet").to_pylist()
 
 
@@ -130,7 +141,7 @@ async def evaluate(session: Session, step: int, progress: Callable[[int, int], N
 
     `progress(done, total)` is called after each sample (for a progress bar)."""
     config, storage = session.config, session.storage
-    finished = finished_eval(storage, step)
+    finished = finished_eval(config, storage, step)
     if finished is not None:
         return {"metrics": finished, "reused": True}
     await session.load_policy(step)  # weights/<step> itself, whatever [async] samples the next step with
@@ -157,6 +168,7 @@ async def evaluate(session: Session, step: int, progress: Callable[[int, int], N
     write_table(storage, f"{directory}/traces.parquet", traces_to_table(traces))
     write_table(storage, f"{directory}/samples.parquet", pa.Table.from_pylist(samples))
     write_table(storage, f"{directory}/metrics.parquet", pa.Table.from_pylist(rows))
+    storage.write_json(f"{directory}/settings.json", eval_settings(config))
     storage.mark_stable(directory)
     return {"metrics": rows, "reused": False}
 

@@ -101,9 +101,28 @@ def test_cli_eval_of_a_finished_runs_checkpoint(prefect_api, runs):
     assert "eval of step 3" in done.stdout + done.stderr and "pass@4" in done.stdout + done.stderr
     metrics = pq.read_table(eval_dir(evaluated, 3) / "metrics.parquet").to_pylist()
     assert metrics[0]["step"] == 3 and (eval_dir(evaluated, 3) / "STABLE").exists()
+    stamp = os.stat(eval_dir(evaluated, 3) / "metrics.parquet").st_mtime_ns
     again = cli("eval", url, "--step", "3", "--set", "eval.k=2")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert pq.read_table(eval_dir(evaluated, 3) / "metrics.parquet").to_pylist() == metrics  # read back, not redone
+    # other [eval] settings: evaluated again with them, not read back from the k = 4 eval
+    redone = pq.read_table(eval_dir(evaluated, 3) / "metrics.parquet").to_pylist()
+    assert [row["k"] for row in redone] == [2] and [row["k"] for row in metrics] == [4]
+    assert os.stat(eval_dir(evaluated, 3) / "metrics.parquet").st_mtime_ns != stamp
+
+
+def test_a_finished_eval_is_read_back_only_with_the_same_settings(runs):
+    from trace_rl.evaluation import finished_eval
+
+    _, evaluated = runs
+    storage = RunStorage(evaluated.storage, evaluated.name)
+    rows = finished_eval(evaluated, storage, 2)
+    assert rows is not None and rows[0]["step"] == 2
+    for change in ({"k": 8}, {"num_examples": 5}, {"sampling": {"temperature": 0.5}}, {"interval": 3}):
+        changed = validate_config({**evaluated.model_dump(mode="json", by_alias=True),
+                                   "eval": {**EVAL, **change}})
+        assert (finished_eval(changed, storage, 2) is None) == ("interval" not in change), change
+    reseeded = validate_config({**evaluated.model_dump(mode="json", by_alias=True), "seed": evaluated.seed + 1})
+    assert finished_eval(reseeded, storage, 2) is None
 
 
 def test_cli_eval_refuses_a_run_without_eval_or_weights(prefect_api, runs):
