@@ -45,14 +45,14 @@ def export_step(run: str, step: int, merged: str | None = None, adapter: str | N
                            f"{', '.join(map(str, available)) or 'none'}")
     targets = {flag: check_target(flag, target) for flag, target in (("--merged", merged), ("--adapter", adapter))
                if target is not None}
+    if "--adapter" in targets and config.model.lora is None:  # refused before anything is downloaded
+        raise RefusedError(f"step {step} of {storage.url} holds full weights (the run has no [model.lora]), not "
+                           "an adapter; export them with --merged")
     written = []
     with tempfile.TemporaryDirectory(prefix="trace-rl-export-") as tmp:
         weights = os.path.join(tmp, "weights")
         storage.download_dir(storage.path("weights", step_name(step)), weights)
         lora = is_adapter_dir(weights)
-        if "--adapter" in targets and not lora:
-            raise RefusedError(f"step {step} of {storage.url} holds full weights (the run has no [model.lora]), not "
-                               "an adapter; export them with --merged")
         for flag, target in targets.items():
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
