@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -158,9 +159,15 @@ class Session:
     def trained(self, step: int) -> None:
         self._trainer_step = step
 
+    def release_trainer(self) -> None:
+        """Stop the run's torchrun workers if it has any (an in-process trainer is freed with the session)."""
+        if hasattr(self._trainer, "stop"):
+            self._trainer.stop()
+
 
 # A `trace-rl serve` process runs every run started from the UI: it keeps the warm trainers of the
-# most recently used runs only. An evicted run that steps again rebuilds its session from storage.
+# most recently used runs only (an evicted run's trainer workers are stopped). An evicted run that steps again
+# rebuilds its session from storage.
 MAX_SESSIONS = 2
 _SESSIONS: OrderedDict[tuple[str, str], Session] = OrderedDict()
 
@@ -172,6 +179,8 @@ def session_for(config: Config) -> Session:
         _SESSIONS.move_to_end(key)
     else:
         while len(_SESSIONS) >= MAX_SESSIONS:
-            _SESSIONS.popitem(last=False)
+            _, evicted = _SESSIONS.popitem(last=False)
+            # its trainer workers hold processes (and GPU memory): stopped once the step they may be training ends
+            threading.Thread(target=evicted.release_trainer, name="release-trainer", daemon=True).start()
         _SESSIONS[key] = Session(config)
     return _SESSIONS[key]

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Self
 
@@ -63,6 +64,7 @@ class TrainerWorkers:
         self.step: int | None = None  # the last step whose optimizer step the workers hold
         self._starts: list[int] = []
         self._sent = 0
+        self._busy = threading.RLock()  # a `stop` from another thread waits for the step in flight
 
     def __enter__(self) -> Self:
         return self
@@ -97,6 +99,10 @@ class TrainerWorkers:
     def train(self, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
         """Train `step` on the workers (starting them if needed); returns rank 0's metrics once its weights
         (and its checkpoint, if `ckpt.interval` gives it one) are STABLE."""
+        with self._busy:
+            return self._train(step, extra_state)
+
+    def _train(self, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
         import torch
 
         if self.alive and self.step is not None and self.step != step - 1:
@@ -151,7 +157,12 @@ class TrainerWorkers:
             return f.read()[-LOG_TAIL:]
 
     def stop(self) -> None:
-        """Ask the workers to exit (kill them if they do not within STOP_TIMEOUT_S) and remove the control dir."""
+        """Ask the workers to exit (kill them if they do not within STOP_TIMEOUT_S) and remove the control dir.
+        Called from another thread, it first waits for the step in flight."""
+        with self._busy:
+            self._stop()
+
+    def _stop(self) -> None:
         if self.alive:
             write_json_atomic(os.path.join(self.control, f"command-{self._sent}.json"), {"stop": True})
             try:
