@@ -272,7 +272,8 @@ def read_traces(storage: RunStorage, step: int) -> list[Trace]:
     table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
     if "policy_version" in table.column_names and "policy_step" not in table.column_names:
         # the column's name in trace tables written before 2026-11-23
-        table = table.rename_columns(["policy_step" if name == "policy_version" else name for name in table.column_names])
+        table = table.rename_columns(["policy_step" if name == "policy_version" else name
+                                      for name in table.column_names])
     return table_to_traces(check_columns(table, TRACE_SCHEMA, storage.url_of_path(path)))
 
 

@@ -93,7 +93,8 @@ def test_fresh_workers_without_a_checkpoint_refuse_a_later_step(make_config):
     on the base model: only the first step may start from it."""
     config, store = two_ranks(make_config, "no-checkpoint", "ddp")
     with TrainerWorkers(config, store) as workers:
-        with pytest.raises(TrainerError, match="step 2 trains on the state after step 1, but the latest checkpoint is none"):
+        refused = "step 2 trains on the state after step 1, but the latest checkpoint is none"
+        with pytest.raises(TrainerError, match=refused):
             train_one_step(config, store, 2, workers)
         assert not store.is_stable(store.path("weights", "000002"))
 
