@@ -58,14 +58,17 @@ class DurableMoto:
         self.journal = directory / "moto-journal.jsonl"
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, die_at: str | None = None) -> None:
+        """Start (again, with the objects it had accepted); with `die_at`, it SIGKILLs itself when a request
+        'METHOD /path' starting with it arrives (tests/faults/moto_restored.py)."""
         from tests.conftest import wait_for_port
 
         env = {**os.environ, "MOTO_ENABLE_RECORDING": "true", "MOTO_RECORDER_FILEPATH": str(self.journal)}
         self.journal.touch()
         # the journal is replayed before the port opens: a retrying client never sees a half-restored server
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults.moto_restored", str(self.journal), str(self.port)],
+            [sys.executable, "-m", "tests.faults.moto_restored", str(self.journal), str(self.port),
+             *([die_at] if die_at else [])],
             cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port, 120, self.process)
 
@@ -74,6 +77,9 @@ class DurableMoto:
         the server never answered it, so the restarted server's entries start on a line of their own."""
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
+        self.drop_half_written_entry()
+
+    def drop_half_written_entry(self) -> None:
         journal = self.journal.read_bytes()
         with open(self.journal, "r+b") as file:
             file.truncate(journal.rfind(b"\n") + 1)
