@@ -269,7 +269,7 @@ def write_traces(storage: RunStorage, step: int, traces: list[Trace]) -> str:
 
 def read_traces(storage: RunStorage, step: int) -> list[Trace]:
     path = storage.step_path(step, "traces.parquet")
-    table = pq.read_table(io.BytesIO(storage.read_bytes(path)))
+    table = read_table(storage, path)
     if "policy_version" in table.column_names and "policy_step" not in table.column_names:
         # the column's name in trace tables written before 2026-11-23
         table = table.rename_columns(["policy_step" if name == "policy_version" else name

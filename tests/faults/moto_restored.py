@@ -1,7 +1,8 @@
 """moto's S3 server, restored from its request journal before it listens: `python -m tests.faults.moto_restored
 JOURNAL PORT [DIE_AT]`. With DIE_AT it SIGKILLs itself when a request 'METHOD /path' starting with it arrives,
-before handling (or journaling) it: a crash at an exact point of a client's writes, whatever the timing. The journal is replayed in-process, so no client request can interleave with the replay, and
-requests are journaled one at a time: moto's recorder writes an entry and its newline in two appends, so two
+before handling (or journaling) it: a crash at an exact point of a client's writes, whatever the timing.
+The journal is replayed in-process, so no client request can interleave with the replay, and requests are
+journaled one at a time: moto's recorder writes an entry and its newline in two appends, so two
 server threads could otherwise put two entries on one line."""
 
 from __future__ import annotations
