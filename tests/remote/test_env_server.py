@@ -254,7 +254,7 @@ def test_traces_round_trip_the_wire_exactly():
     trace.branches[1].mask = np.arange(len(trace.branches[1])) % 2 == 1
     wire = RunRequest(algorithms=[AlgorithmConfig(id="x", a={"b": 1})], traces=[trace.to_dict()]).model_dump_json()
     back = RunRequest.model_validate_json(wire)
-    restored = Trace.from_dict(back.traces[0])
+    restored = back.traces[0].to_trace()
     assert np.isnan(restored.metrics.pop("m")) and np.isnan(trace.metrics.pop("m"))
     assert restored.equals(trace)
     assert back.algorithms[0].options == {"a": {"b": 1}}

@@ -23,7 +23,7 @@ from trace_rl.algorithms.base import AlgorithmConfig, Channel, resolve_algorithm
 from trace_rl.algorithms.gather import gather_or_cancel
 from trace_rl.config import EnvConfig, RemoteConfig
 from trace_rl.models import RuntimeConfig
-from trace_rl.remote.wire import PROTOCOL_VERSION, ErrorReply, RunReply, RunRequest
+from trace_rl.remote.wire import PROTOCOL_VERSION, ErrorReply, RunReply, RunRequest, WireTrace
 from trace_rl.trace import Trace, group_traces
 from trace_rl.validate import DimensionError, validate_channels
 
@@ -80,7 +80,7 @@ async def run_group(
 ) -> list[list[Channel]]:
     """One run_algorithms call with retries: per algorithm (in order), its validated channels on `group`."""
     body = RunRequest(algorithms=list(configs), models=dict(runtime_configs),
-                      traces=[trace.to_dict() for trace in group]).model_dump_json()
+                      traces=[WireTrace.of(trace) for trace in group]).model_dump_json()
     url = server_url.rstrip("/") + "/run_algorithms"
     source = f"env server {server_url}"
     what = f"algorithm {', '.join(repr(c.id) for c in configs)} on group {group[0].group_id!r}"

@@ -34,7 +34,7 @@ from trace_rl.models import ModelRuntime, RuntimeConfig, build_runtime
 from trace_rl.remote.wire import (
     PROTOCOL_VERSION, AlgorithmResult, ErrorReply, Health, RunReply, RunRequest, WireChannel,
 )
-from trace_rl.trace import Trace, TraceError
+from trace_rl.trace import TraceError
 
 log = logging.getLogger("trace_rl.env_server")
 
@@ -254,24 +254,28 @@ def create_app(allowed: Allowed, limits: Limits = Limits(), tokens: frozenset[st
         try:
             request = RunRequest.model_validate_json(await read_body(http_request))
         except ValidationError as exc:
-            if any(error["type"] == "json_invalid" for error in exc.errors()):
+            errors = exc.errors()
+            if any(error["type"] == "json_invalid" for error in errors):
                 # pydantic's parser stops at a fixed nesting depth (~200), before building deeper levels
                 raise Refused(400, f"the request body is not JSON the server reads: {describe(exc)}; send "
                                    "the run_algorithms body as trace_rl.remote.wire.RunRequest writes it") from None
-            raise Refused(422, f"malformed run_algorithms request: {describe(exc)}") from None
-        if request.version != PROTOCOL_VERSION:
-            raise Refused(400, f"protocol version {request.version} is not supported; "
-                               f"this server speaks version {PROTOCOL_VERSION}")
+            if errors[0]["type"] == "protocol_version":  # then the only error: nothing else was read
+                raise Refused(400, errors[0]["msg"]) from None
+            raise Refused(422, f"malformed run_algorithms request (protocol version {PROTOCOL_VERSION}): "
+                               f"{describe(exc)}") from None
         for config in request.algorithms:
             allowed.check(config.id)
             if config.id == "echo" and config.options.get("filter") is not None:
                 # the filter is an import path the server would import and call: not on any allow-list
                 raise Refused(403, "echo's `filter` names code to import, which this server does not do for "
                                    "clients; run echo with a filter in the training process instead")
-        try:
-            traces = [Trace.from_dict(data) for data in request.traces]
-        except (TraceError, TypeError, ValueError) as exc:
-            raise Refused(422, f"malformed trace: {exc}") from None
+        traces = []
+        for position, wire_trace in enumerate(request.traces):
+            try:
+                traces.append(wire_trace.to_trace())
+            except TraceError as exc:
+                raise Refused(422, f"malformed trace traces.{position} (protocol version {PROTOCOL_VERSION}): "
+                                   f"{exc}") from None
         try:
             algorithms = await load_algorithms(request.algorithms, Runtimes(request.models, runtimes))
             channels = await run_algorithms(algorithms, traces)

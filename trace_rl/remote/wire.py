@@ -1,23 +1,32 @@
 """The env server's wire format: JSON bodies described by pydantic models, versioned, data only.
 
-A request carries one group's traces (`Trace.to_dict()`), the algorithm configs to run in
-order, and the model runtime configs the algorithms may build runtimes from. The reply
-holds one result per requested algorithm, in the same order, each listing the channels
-that algorithm set (branches it left alone are absent). Floats travel as JSON numbers,
+A request carries one group's traces (`WireTrace`: the JSON shape of `Trace.to_dict()`), the
+algorithm configs to run in order, and the model runtime configs the algorithms may build
+runtimes from. The reply holds one result per requested algorithm, in the same order, each
+listing the channels that algorithm set (branches it left alone are absent). Floats travel as JSON numbers,
 which hold every float32 exactly; NaN and infinities travel as the constants `NaN` and
 `Infinity` so the receiving side can name them rather than lose them. See docs/remote.md.
+
+The trace models are written out here, not derived from `Trace`: they are the protocol's word,
+which a rename inside trace-rl must not change. Within a protocol version, a renamed trace field
+keeps its old name as an alias.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 from trace_rl.algorithms.base import AlgorithmConfig, Channel
 from trace_rl.models import RuntimeConfig
+from trace_rl.trace import Message, Trace
 
 PROTOCOL_VERSION = 1
+
+Int32 = Annotated[int, Field(ge=np.iinfo(np.int32).min, le=np.iinfo(np.int32).max)]
 
 
 class Wire(BaseModel):
@@ -30,11 +39,77 @@ class Health(Wire):
     algorithms: list[str]
 
 
+class WireBranch(Wire):
+    """One branch: its per-token arrays as lists of one length (see trace_rl.trace), annotations null if unset."""
+
+    index: int = 0
+    temperature: float = 1.0
+    token_ids: list[Int32]
+    sampled: list[bool]
+    logprobs: list[float]
+    message_index: list[Int32]
+    is_content: list[bool]
+    advantages: list[float] | None = None
+    mask: list[bool] | None = None
+
+
+class WireTrace(Wire):
+    """One trace, exactly as `Trace.to_dict()` writes it; `policy_version` (its name before the rename) is
+    read as `policy_step`."""
+
+    id: str
+    env: str
+    example_id: str
+    group_id: str
+    agent: str = "policy-agent"
+    trainable: bool = True
+    reward: float = 0.0
+    rewards: dict[str, float] = {}
+    metrics: dict[str, float] = {}
+    info: dict[str, Any] = {}
+    messages: list[Message] = []
+    error: str | None = None
+    policy_step: int = 0
+    branches: list[WireBranch] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def read_policy_version_as_policy_step(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "policy_version" in data:
+            if "policy_step" in data:
+                raise ValueError("both 'policy_version' and 'policy_step' given: policy_version is the old name of "
+                                 f"policy_step in protocol version {PROTOCOL_VERSION}; send one of them")
+            data = {("policy_step" if key == "policy_version" else key): value for key, value in data.items()}
+        return data
+
+    @field_serializer("messages")
+    def messages_without_nulls(self, messages: list[Message]) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_none=True) for message in messages]
+
+    @classmethod
+    def of(cls, trace: Trace) -> WireTrace:
+        return cls.model_validate(trace.to_dict())
+
+    def to_trace(self) -> Trace:
+        return Trace.from_dict(self.model_dump())
+
+
 class RunRequest(Wire):
     version: int = PROTOCOL_VERSION
     algorithms: list[AlgorithmConfig]
     models: dict[str, RuntimeConfig] = {}
-    traces: list[dict[str, Any]]
+    traces: list[WireTrace]
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_other_versions(cls, data: Any) -> Any:
+        """Checked first: a request of another version is not read as one of this version."""
+        version = data.get("version", PROTOCOL_VERSION) if isinstance(data, dict) else PROTOCOL_VERSION
+        if version != PROTOCOL_VERSION:
+            raise PydanticCustomError(
+                "protocol_version", "protocol version {version} is not supported; this server speaks protocol version "
+                "{spoken}", {"version": version, "spoken": PROTOCOL_VERSION})
+        return data
 
 
 class WireChannel(Wire):
