@@ -101,7 +101,8 @@ def cmd_replay(args) -> int:
     from trace_rl.replay import check_replay, check_train_start, parse_algorithms
 
     algorithms = parse_algorithms(args.algorithms)
-    check_train_start(check_replay(args.run, algorithms, args.out, args.steps, args.overwrite).source, args.from_step)
+    plan = check_replay(args.run, algorithms, args.out, args.steps, args.overwrite, overrides=args.overrides)
+    check_train_start(plan.source, plan.source_storage, args.train, args.from_step, args.model)
     _prefect()
     reaper.start()
     quiet.progress_bars()
@@ -109,7 +110,7 @@ def cmd_replay(args) -> int:
 
     try:
         replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
-               from_step=args.from_step, model=args.model, overwrite=args.overwrite)
+               from_step=args.from_step, model=args.model, overwrite=args.overwrite, overrides=args.overrides)
     finally:
         quiet.stop_engines()
     return 0
@@ -202,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--steps", help="FIRST:LAST, inclusive (default: every saved step)")
     replay.add_argument("--train", action="store_true", help="train a model on the replayed batches")
     replay.add_argument("--overwrite", action="store_true", help="wipe a non-empty --out first")
+    replay.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a key of the source run's config, e.g. --set models.reference.name=tiny for opd",
+    )
     start = replay.add_mutually_exclusive_group()
     start.add_argument("--from-step", type=int, help="with --train: start from the run's weights of this step")
     start.add_argument("--model", help="with --train: start from this model (default: the run's base model)")

@@ -20,9 +20,9 @@ from trace_rl.storage import RunStorage, step_name
 @flow(name="replay", log_prints=True)
 def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None, train: bool = False,
            from_step: int | None = None, model: str | None = None, storage_options: dict | None = None,
-           overwrite: bool = False) -> list[dict]:
-    plan = lib.check_replay(run, algorithms, out, steps, overwrite, storage_options)
-    lib.check_train_start(plan.source, from_step)
+           overwrite: bool = False, overrides: list[str] = ()) -> list[dict]:
+    plan = lib.check_replay(run, algorithms, out, steps, overwrite, storage_options, overrides)
+    lib.check_train_start(plan.source, plan.source_storage, train, from_step, model)
     config, out_storage, chosen = plan.config, plan.out, plan.steps
     lib.prepare_out(out_storage)
     from trace_rl.session import session_for
@@ -45,7 +45,7 @@ def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | N
     rows = [("replayed batches", out_storage.url)]
     if train and chosen:
         start = model or plan.source.model.name
-        if from_step is not None:
+        if from_step:  # 0: the run's base model
             from trace_rl.inference.broadcast import stage_weights
 
             start = stage_weights(plan.source_storage, from_step)

@@ -218,6 +218,9 @@ class CheckpointConfig(Strict):
     keep: int = Field(2, ge=1, description="keep the last `keep` checkpoints and the last `keep` weights/<step> "
                       "(plus the weights a resume from a kept checkpoint samples with; with [async] the "
                       "max_off_policy_steps weights before it too)")
+    keep_weights_every: int = Field(1, ge=0, description="also keep weights/<step> of every step that is a multiple "
+                                    "of this (1: every step's, so any step can be replayed through an algorithm "
+                                    "that scores with the policy, or exported; 0: only those `keep` keeps)")
     interval: int = Field(1, ge=1, description="write a full checkpoint (model, optimizer, RNG) every interval-th "
                           "step and at the last step; weights/<step> are written every step. A resume re-runs the "
                           "steps after the newest checkpoint")

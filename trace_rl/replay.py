@@ -13,14 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.algorithms.base import AlgorithmConfig, resolve_algorithm_class, validate_options
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.errors import RefusedError
 from trace_rl.loading import validate_config
-from trace_rl.names import LOSS_NAMES
+from trace_rl.names import LOSS_NAMES, POLICY
+from trace_rl.schedule import sampling_weights
 from trace_rl.session import Session
-from trace_rl.step import AlgorithmJob, compute_channels
+from trace_rl.step import AlgorithmJob, algorithm_jobs, compute_channels
 from trace_rl.storage import RunStorage, check_wipe, overlap, step_name
 from trace_rl.tables import TrainingSample, read_batch, read_traces, write_batch, write_channels
 from trace_rl.validate import validate_channels
@@ -47,12 +48,14 @@ class ReplayPlan:
 
 
 def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
-                 overwrite: bool = False, storage_options: dict[str, Any] | None = None) -> ReplayPlan:
+                 overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+                 overrides: list[str] = ()) -> ReplayPlan:
     """Everything a replay needs, checked before it writes anything: the source run and its saved steps,
     the algorithms (ConfigError), and an `--out` that neither is, holds nor lies inside the source run and,
     without `--overwrite`, is empty (RefusedError: its batches and checkpoints would mix with the new ones);
-    with `--overwrite`, one that `check_wipe` lets be wiped."""
-    source = source_config(run, storage_options)
+    with `--overwrite`, one that `check_wipe` lets be wiped. `overrides` (`--set KEY=VALUE`) change the source
+    run's config, e.g. to add the `[models.reference]` an `opd` replay scores with."""
+    source = source_config(run, storage_options, overrides)
     config = replay_config(source, algorithms)
     source_storage = RunStorage.from_url(run, storage_options)
     out_storage = RunStorage.from_url(out, storage_options)
@@ -67,17 +70,68 @@ def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: s
     if overwrite:
         check_wipe(out_storage, "--overwrite")
     chosen = parse_steps(steps, saved_steps(source_storage))
+    check_policy_weights(config, source_storage, chosen)
     return ReplayPlan(source, config, source_storage, out_storage, chosen)
 
 
-def check_train_start(source: Config, from_step: int | None) -> None:
-    """`--from-step K` trains on from the run's `weights/<K>/`, which must be full weights: a LoRA run's are an
-    adapter, so it is refused with the way to get a model from them."""
-    if from_step is not None and source.model.lora is not None:
+def check_policy_weights(config: Config, source: RunStorage, steps: list[int]) -> None:
+    """An algorithm that scores with the policy (opsd, opd with `model = "policy"`) needs, at each replayed step,
+    the weights that step sampled with; every other algorithm replays without any weights or engine. Refused
+    before anything starts when `[ckpt]` pruned some of them."""
+    lag = config.async_.max_off_policy_steps
+    kept = set(source.stable_steps("weights"))
+    has_weights = [s for s in saved_steps(source) if sampling_weights(s, lag) == 0 or sampling_weights(s, lag) in kept]
+    for job in algorithm_jobs(config):
+        cls = resolve_algorithm_class(job.config.id)
+        if job.server is not None or POLICY not in cls.models_used(validate_options(cls, job.config)):
+            continue
+        missing = sorted({sampling_weights(s, lag) for s in steps} - kept - {0})
+        if missing:
+            within = f"--steps within {step_ranges(has_weights)}" if has_weights else "another run"
+            raise RefusedError(
+                f"--algorithms: {job.config.id!r} scores with the policy's weights each step sampled with, but "
+                f"the weights of {steps_phrase(missing)} were pruned ([ckpt] keep = {config.ckpt.keep}, "
+                f"keep_weights_every = {config.ckpt.keep_weights_every}); the run has the weights of "
+                f"{steps_phrase(sorted(kept))}: replay {within}, or keep every step's weights in new runs with "
+                "[ckpt] keep_weights_every = 1")
+
+
+def steps_phrase(steps: list[int]) -> str:
+    return "no step" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {step_ranges(steps)}"
+
+
+def step_ranges(steps: list[int]) -> str:
+    """`[1, 2, 3, 5]` as `1:3, 5` (the form --steps takes)."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}:{b}" if a != b else str(a) for a, b in spans)
+
+
+def check_train_start(source: Config, source_storage: RunStorage, train: bool, from_step: int | None,
+                      model: str | None) -> None:
+    """`--from-step` and `--model` only with `--train`. `--from-step K` trains on from the run's `weights/<K>/`,
+    which must still be there and be full weights: a LoRA run's are an adapter, so it is refused with the way to
+    get a model from them."""
+    if not train and (from_step is not None or model is not None):
+        flag = "--from-step" if from_step is not None else "--model"
+        raise RefusedError(f"{flag} says which model --train starts from, but --train is not given; add --train "
+                           f"or drop {flag}")
+    if from_step is None:
+        return
+    if source.model.lora is not None:
         raise RefusedError(
             f"--from-step {from_step}: the run trains LoRA adapters, so its weights of step {from_step} are an "
             f"adapter, not a model to start from; export them merged (trace-rl export RUN --step {from_step} "
             "--merged DIR) and pass --model DIR")
+    kept = source_storage.stable_steps("weights")
+    if from_step != 0 and from_step not in kept:
+        raise RefusedError(f"--from-step {from_step}: the run has no weights of step {from_step} (pruned by "
+                           f"[ckpt], or never written); it has the weights of {steps_phrase(kept)}: pick one of "
+                           "them, or --model NAME")
 
 
 def prepare_out(out: RunStorage) -> None:

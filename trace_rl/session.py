@@ -82,6 +82,16 @@ class Session:
             await self.sync_policy(step)
         return self.runtimes
 
+    async def models_for(self, step: int, keys: set[str]) -> dict[str, ModelRuntime]:
+        """Just the runtimes `keys` names, awake; the policy among them runs the weights step `step` samples with.
+        No keys: nothing is built, woken or loaded (a replayed `grpo` needs no model and no weights)."""
+        if not keys:
+            return {}
+        await self.wake_engines()
+        if POLICY in keys:
+            await self.sync_policy(step)
+        return {key: self.runtimes[key] for key in sorted(keys)}
+
     @property
     def policy_step(self) -> int | None:
         """The step whose weights the policy runtime runs (0: the base model; None: not loaded yet)."""

@@ -96,7 +96,7 @@ async def compute_channels(
     from trace_rl.algorithms.runner import run_algorithm as run_local
 
     algorithm = load_algorithm(job.config)
-    await algorithm.setup(await session.models_at(step))
+    await algorithm.setup(await session.models_for(step, algorithm.models_used(algorithm.options)))
     algorithm.load_state_dict(state)
     channels = await run_local(algorithm, traces)
     return channels, algorithm.state_dict()

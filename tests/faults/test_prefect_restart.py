@@ -49,5 +49,5 @@ def test_prefect_server_restarted_during_a_step(prefect_api, tmp_path, uninterru
         assert "Traceback" not in err.splitlines()[-1], err[-3000:]  # the last line says what failed
         finish(start(config, "--resume"))
     print(f"Prefect server down {down_s:.1f} s; the run {'failed, resumed' if process.returncode else 'continued'}")
-    assert storage.stable_steps("weights") == [2, 3]  # [ckpt] keep = 2
+    assert storage.stable_steps("weights") == [1, 2, 3]  # [ckpt] keep_weights_every = 1
     assert model_bytes(storage) == uninterrupted

@@ -72,5 +72,5 @@ def test_s3_killed_mid_batch_and_mid_checkpoint_write_then_back(prefect_api, tmp
         outcomes.append("checkpoint write: the run rode it out")
     storage.fs.invalidate_cache()
     print("; ".join(outcomes))
-    assert storage.stable_steps("weights") == [2, 3], outcomes  # [ckpt] keep = 2
+    assert storage.stable_steps("weights") == [1, 2, 3], outcomes  # [ckpt] keep_weights_every = 1
     assert model_bytes(storage) == uninterrupted, outcomes

@@ -81,7 +81,7 @@ def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path):
         kill_when(start(config, *flags), ready)
         flags = ("--resume",)
     finish(start(config, "--resume"))
-    assert storage.stable_steps("weights") == [2, 3]  # ckpt.keep = 2
+    assert storage.stable_steps("weights") == [1, 2, 3]  # ckpt.keep_weights_every = 1
     assert weights(tmp_path, "killed") == expected
 
 

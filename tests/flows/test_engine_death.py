@@ -126,5 +126,5 @@ def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefe
     assert "vLLM engine for 'policy'" in err, err[-3000:]
 
     finish(start(config, "--resume"))
-    assert storage.stable_steps("weights") == [2, 3]  # ckpt.keep = 2
+    assert storage.stable_steps("weights") == [1, 2, 3]  # ckpt.keep_weights_every = 1
     assert weights(tmp_path, "engine-killed") == expected

@@ -20,6 +20,7 @@ def interval_config(make_config, name: str):
     config = make_config(name, weight_decay=0.1)
     config.steps = STEPS
     config.ckpt.keep, config.ckpt.interval = 2, 2
+    config.ckpt.keep_weights_every = 0  # weights pruned like checkpoints: these tests are about pruning
     return config
 
 
@@ -46,6 +47,12 @@ def test_kept_steps_hold_the_weights_each_kept_checkpoint_resumes_with():
     # [async] max_off_policy_steps = 1: a resume from checkpoint 4 samples step 5 with weights/3
     assert checkpoint.kept_steps([2, 4, 6], [1, 2, 3, 4, 5, 6], keep=2, lag=1) == ({4, 6}, {3, 4, 5, 6})
     assert checkpoint.kept_steps([6], [1, 2, 3, 4, 5, 6], keep=1, lag=2) == ({6}, {4, 5, 6})
+
+
+def test_keep_weights_every_keeps_the_weights_of_every_nth_step_besides_the_last():
+    assert checkpoint.kept_steps([6], [1, 2, 3, 4, 5, 6], keep=1, weights_every=1) == ({6}, {1, 2, 3, 4, 5, 6})
+    assert checkpoint.kept_steps([6], [1, 2, 3, 4, 5, 6], keep=1, weights_every=4) == ({6}, {4, 6})
+    assert checkpoint.kept_steps([3, 6], [1, 2, 3, 4, 5, 6, 7], keep=1, weights_every=3) == ({6}, {3, 6, 7})
 
 
 def test_keep_two_leaves_exactly_the_expected_directories(make_config):
@@ -96,7 +103,8 @@ def test_a_rerun_removes_the_weights_of_the_steps_it_has_not_reached_yet(make_co
         store.mark_stable(store.path("weights", step_name(step)))
     store.fs.makedirs(checkpoint.checkpoint_dir(store, 5))
     store.mark_stable(checkpoint.checkpoint_dir(store, 5))
-    checkpoint.prune(store, 6, config.ckpt.keep)
+    config.ckpt.keep_weights_every = 0
+    checkpoint.prune(store, 6, config)
     assert store.stable_steps("weights") == [5, 6] and store.stable_steps("checkpoints") == [5]
 
 

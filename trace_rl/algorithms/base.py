@@ -75,7 +75,8 @@ class Algorithm:
         return set()
 
     async def setup(self, models: Mapping[str, Any]) -> None:
-        """Bind model runtimes by key (`policy`, `reference`, ...). Default: none needed."""
+        """Bind model runtimes by key: `models` holds those `models_used` names (the policy on the weights the
+        step sampled with), and nothing else. Default: none needed."""
 
     async def advantage(self, traces: list[Trace]) -> None:
         raise NotImplementedError

@@ -10,7 +10,8 @@ A checkpoint holds one torch file per part:
 Parts are staged in a local directory and uploaded through `RunStorage`, whose
 `upload_dir` writes the STABLE marker after the last file; a reader only ever
 sees complete checkpoints. A checkpoint is written every `ckpt.interval`-th step
-(weights every step); `prune` keeps the last `ckpt.keep` of each.
+(weights every step); `prune` keeps the last `ckpt.keep` of each, and the weights of every
+`ckpt.keep_weights_every`-th step.
 """
 
 from __future__ import annotations
@@ -82,21 +83,24 @@ def load_part(storage: RunStorage, step: int, name: str) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=name != "extra_state")
 
 
-def kept_steps(checkpoints: list[int], weights: list[int], keep: int, lag: int = 0) -> tuple[set[int], set[int]]:
+def kept_steps(checkpoints: list[int], weights: list[int], keep: int, lag: int = 0,
+               weights_every: int = 0) -> tuple[set[int], set[int]]:
     """(checkpoint steps, weights steps) to keep: the last `keep` of each, plus the weights the steps after a
-    kept checkpoint sample with. Step `s` samples with `weights/<s - 1 - lag>` (`lag`: `[async]
-    max_off_policy_steps`), so a resume from checkpoint `c` needs `weights/<c - lag>` .. `weights/<c>`, and
-    the steps still to come need the last `keep + lag` weights."""
+    kept checkpoint sample with, plus the weights of every `weights_every`-th step (0: none more). Step `s`
+    samples with `weights/<s - 1 - lag>` (`lag`: `[async] max_off_policy_steps`), so a resume from checkpoint `c`
+    needs `weights/<c - lag>` .. `weights/<c>`, and the steps still to come need the last `keep + lag` weights."""
     kept_checkpoints = set(sorted(checkpoints)[-keep:])
     resumable = {w for w in weights if any(c - lag <= w <= c for c in kept_checkpoints)}
-    return kept_checkpoints, set(sorted(weights)[-(keep + lag):]) | resumable
+    every = {w for w in weights if weights_every and w % weights_every == 0}
+    return kept_checkpoints, set(sorted(weights)[-(keep + lag):]) | resumable | every
 
 
-def prune(storage: RunStorage, current: int, keep: int, lag: int = 0) -> None:
-    """After step `current`: remove the stable checkpoints and weights not kept, unfinished ones older than
-    `current`, and any later than it (left by the run before a resume re-ran the steps after its checkpoint)."""
+def prune(storage: RunStorage, current: int, config: Config) -> None:
+    """After step `current`: remove the stable checkpoints and weights `[ckpt]` does not keep, unfinished ones older
+    than `current`, and any later than it (left by the run before a resume re-ran the steps after its checkpoint)."""
     stable = {kind: [s for s in storage.stable_steps(kind) if s <= current] for kind in (KIND, WEIGHTS)}
-    kept = dict(zip((KIND, WEIGHTS), kept_steps(stable[KIND], stable[WEIGHTS], keep, lag)))
+    kept = dict(zip((KIND, WEIGHTS), kept_steps(stable[KIND], stable[WEIGHTS], config.ckpt.keep,
+                                                 config.async_.max_off_policy_steps, config.ckpt.keep_weights_every)))
     for kind in (KIND, WEIGHTS):
         base = storage.path(kind)
         if not storage.exists(base):

@@ -39,7 +39,7 @@ def train_in_process(trainer, storage: RunStorage, step: int, extra_state: dict[
         trainer.save_checkpoint(step, extra_state)
     trainer.export_weights(step)
     if trainer.rank == 0:
-        prune(storage, step, trainer.config.ckpt.keep, trainer.config.async_.max_off_policy_steps)
+        prune(storage, step, trainer.config)
     return metrics
 
 
