@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from trace_rl import quiet, reaper
 from trace_rl.config import Config, ConfigError, config_to_toml
@@ -47,6 +48,7 @@ def _prefect(configured: str | None = None) -> str:
 
     api_url = ensure_api_url(configured)
     print(f"Prefect API: {api_url} (UI: {api_url.removesuffix('/api')})", file=sys.stderr)
+    quiet.no_failure_tracebacks()
     from flows.liveness import ensure_zombie_automation
 
     ensure_zombie_automation()
@@ -257,16 +259,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
     if hasattr(args, "verbose"):
-        quiet.by_default(args.verbose)
+        quiet.by_default(verbose)
     try:
         return args.func(args)
     except (ConfigError, RefusedError) as exc:  # checked before any flow run starts: the message is the news
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except FatalError as exc:  # a step failed in a way a retry cannot fix (a dead engine, a full disk)
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # a step failed: its cause in one line (the traceback is in the UI, or --verbose)
+        if verbose:
+            traceback.print_exc()
+        print(f"error: {failure_line(exc, args)}", file=sys.stderr)
         return 1
+
+
+def failure_line(exc: BaseException, args) -> str:
+    """The cause of a failed command and how to go on: a failed training step leaves the run resumable."""
+    line = str(exc) if isinstance(exc, FatalError) else f"{type(exc).__name__}: {exc}"
+    if args.command == "train":
+        overrides = "".join(f" --set {o}" for o in args.overrides)
+        line += f"; fix that and continue the run with `trace-rl train {args.config}{overrides} --resume`"
+    return line if getattr(args, "verbose", True) else f"{line} (--verbose shows the traceback)"
 
 
 if __name__ == "__main__":

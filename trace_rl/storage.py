@@ -51,6 +51,11 @@ class RunStorage:
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     @classmethod
+    def of(cls, config: Any) -> RunStorage:
+        """The storage of the run a `trace_rl.config.Config` describes."""
+        return cls(config.storage, config.name, config.storage_options)
+
+    @classmethod
     def from_url(cls, run_url: str, storage_options: dict[str, Any] | None = None) -> RunStorage:
         """Open an existing run given its full URL `<storage>/<name>`."""
         storage, _, name = run_url.rstrip("/").rpartition("/")

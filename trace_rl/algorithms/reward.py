@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from trace_rl.algorithms.base import Algorithm, AlgorithmError, NoOptions, register
+from trace_rl.algorithms.base import REGISTRY, Algorithm, AlgorithmError, NoOptions, register
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
 from trace_rl.trace import Trace
 
@@ -31,13 +33,25 @@ def max_likelihood_normalized(rewards: np.ndarray) -> np.ndarray:
     return (rewards - mu) / mu if mu > 0 else np.zeros_like(rewards)
 
 
+class GroupBaseline(Algorithm):
+    """An algorithm whose baseline is the mean of the group: a group of one rollout gets advantage 0 everywhere."""
+
+    @classmethod
+    def check_config(cls, options: BaseModel, run_config: Any) -> list[str]:
+        ids = {key for key, registered in REGISTRY.items() if registered is cls}
+        return [f"env.{index}.group_size = 1: a group of one rollout has advantage 0 on every trace; set "
+                f"env.{index}.group_size to 2 or more, or use 'rl'"
+                for index, env in enumerate(run_config.env)
+                if env.group_size == 1 and any(a.id in ids for a in run_config.algorithms_for(env))]
+
+
 class GRPOOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     std_normalize: bool = False
 
 
 @register("grpo")
-class GRPO(Algorithm):
+class GRPO(GroupBaseline):
     """A_i = r_i - mean_group(r) on trace i's sampled tokens (`std_normalize`: divided by std + 1e-6).
 
     The mean is over the group's ok traces only: errored and untrainable traces get no
@@ -55,7 +69,7 @@ class GRPO(Algorithm):
 
 
 @register("max_rl")
-class MaxRL(Algorithm):
+class MaxRL(GroupBaseline):
     """A_i = (r_i - mu) / mu when mu > 0, else 0; mu the mean reward of the group's ok traces.
 
     Rewards must be non-negative (they are read as success probabilities).
