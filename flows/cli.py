@@ -23,6 +23,14 @@ from trace_rl.loading import load_config
 # known-harmless warning vLLM logs on import there too (unless TRACE_RL_VERBOSE is set)
 quiet_imports()
 
+# Like `python -m`: modules in the working directory import, so a config can name `mypkg.algos:MyAlgorithm`
+# for ./mypkg/algos.py (docs/algorithms.md). Appended: a file there never shadows an installed package.
+if os.getcwd() not in sys.path:
+    sys.path.append(os.getcwd())
+
+DESCRIPTION = ("RL post-training on token-exact traces, every training step a Prefect flow run: train, evaluate, "
+               "replay and export runs, and serve them as deployments (README.md, docs/).")
+
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="TOML config file")
@@ -38,7 +46,7 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args) -> Config:
-    return load_config(args.config, args.overrides)
+    return load_config(args.config, args.overrides, on_this_machine=True)  # train and serve run it here
 
 
 def _prefect(configured: str | None = None) -> str:
@@ -63,9 +71,13 @@ def cmd_train(args) -> int:
 
         Console().print(Syntax(config_to_toml(config), "toml", theme="ansi_dark", background_color="default"))
         return 0
-    from trace_rl.run import check_run
+    from trace_rl.run import check_run, finished_message
 
     storage = check_run(config, "resume" if args.resume else "overwrite" if args.overwrite else "new")
+    finished = finished_message(config, storage) if args.resume else None
+    if finished is not None:  # nothing to run: no Prefect server, no flow run
+        print(finished, file=sys.stderr)
+        return 0
     _prefect(config.prefect.api_url)
     from flows.liveness import refuse_if_running
 
@@ -180,7 +192,7 @@ def cmd_env_server(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trace-rl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="trace-rl", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run a training run (or --dry-run to print the resolved config)")
@@ -192,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(train)
     train.set_defaults(func=cmd_train)
 
-    serve = sub.add_parser("serve", help="serve the train and replay flows as deployments (runs start from the UI)")
+    serve = sub.add_parser("serve", help="serve the train, eval and replay flows as deployments (runs start from the "
+                           "UI)")
     _add_config_args(serve)
     serve.add_argument("--cron", help='a schedule for the training deployment, e.g. "0 * * * *"')
     _add_verbose(serve)

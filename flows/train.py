@@ -19,7 +19,7 @@ from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_
 from flows.step import train_step
 from trace_rl.config import Config
 from trace_rl.evaluation import eval_dir, evaluates_at, tracker_metrics
-from trace_rl.run import prepare_run
+from trace_rl.run import finished_message, prepare_run
 from trace_rl.schedule import sampled_while_training
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.tracking import Trackers, step_metrics
@@ -43,6 +43,10 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     for gone in crash_gone_runs(storage.url, took_over, keep=UUID(flow_run.get_id())):
         say(logger, console, f"marked the earlier flow run {gone.id} of {config.name} Crashed: its process is gone")
     crash_orphaned_subflows(took_over)
+    finished = finished_message(config, storage)
+    if finished is not None:  # a resume of a finished run (`trace-rl train` says so before starting a flow run)
+        say(logger, console, finished)
+        return []
     if first > 1:
         say(logger, console, f"continuing {config.name} at step {first} of {config.steps}")
     rows = history(config, first - 1)

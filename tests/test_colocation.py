@@ -93,3 +93,31 @@ def test_a_step_with_the_reference_as_actor_never_builds_nor_reloads_a_policy(ti
     assert result["train"]["metrics"]["tokens/ce"] > 0
     assert session.runtimes.is_built("reference") and not session.runtimes.is_built(POLICY)
     assert session.storage.is_stable(session.storage.path("weights", "000001"))
+
+
+def test_colocate_true_with_an_auto_trainer_is_refused_where_the_run_starts_without_a_gpu(monkeypatch):
+    """`trainer.device = 'auto'` trains on the CPU of a machine without a GPU: refused where the run starts
+    (`trace-rl train`, `serve`, `prepare_run`), not when a run's config is read back (export, eval, replay)."""
+    monkeypatch.setattr(colocation, "gpu_here", lambda: False)
+    with pytest.raises(ConfigError, match="inference.colocate = true: trainer.device = 'auto' trains on the CPU here"):
+        load_config(CONFIGS / "opd.toml", ["inference.backend=vllm", "inference.colocate=true"], on_this_machine=True)
+    assert example("opd", "inference.colocate=true").inference.colocate  # read back elsewhere: kept
+    monkeypatch.setattr(colocation, "gpu_here", lambda: True)
+    load_config(CONFIGS / "opd.toml", ["inference.backend=vllm", "inference.colocate=true"], on_this_machine=True)
+
+
+def test_gpu_here_is_told_without_importing_torch(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in `--dry-run`
+    monkeypatch.setattr(colocation, "GPU_DEVICES", (str(tmp_path / "nvidiactl"),))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert not colocation.gpu_here()
+    (tmp_path / "nvidiactl").touch()
+    assert colocation.gpu_here()
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not colocation.gpu_here()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert colocation.gpu_here()
+    assert "torch" not in sys.modules

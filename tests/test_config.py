@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,95 @@ def test_stop_tokens_of_a_hub_model_are_checked_against_its_cached_tokenizer(rea
     assert found.startswith(f"model.stop_tokens: '<|eot|>' is not a token of {realistic_model.repo_id}'s tokenizer")
     model["stop_tokens"] = ["<|im_end|>", "<|endoftext|>"]
     assert validate_config(minimal(model=model)).model.stop_tokens == ["<|im_end|>", "<|endoftext|>"]
+
+
+def test_schema_env_and_algorithm_problems_are_listed_together():
+    """docs/config.md: every wrong key at once; env and algorithm checks run on the entries that parse."""
+    found = problems({"name": "run", "stpes": 3, "algorithms": ["nope"], "env": [
+        {"id": "no-such-env", "batch_size": 0},  # its batch_size fails the schema; its id is checked all the same
+        {"id": "reverse-text", "args": {"min_lenght": 2}, "algorithms": ["grpo", {"id": "echo", "bogus": 1}]},
+        {"id": "reverse-text", "group_size": "many"},
+    ]})
+    assert "stpes: unknown key; did you mean 'steps'?" in found
+    assert "env.0.batch_size: Input should be greater than 0 (got 0)" in found
+    assert any(p.startswith("env.2.group_size: Input should be a valid integer") for p in found)
+    assert any(p.startswith("env.0: unknown env id 'no-such-env'; use a builtin (") for p in found)
+    assert any(p.startswith("env.1: env 'reverse-text': args.min_lenght: unknown key") for p in found)
+    assert any(p.startswith("algorithms: unknown algorithm 'nope' for env 'no-such-env'") for p in found)
+    assert any(p.startswith("env.1.algorithms: algorithm 'echo': ") and "bogus" in p for p in found)
+    assert len(found) == 8, found
+
+
+def test_dry_run_lists_schema_env_and_algorithm_problems_in_one_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEMO.read_text().replace("seed = 0", "sead = 0").replace('id = "reverse-text"', 'id = "revers"')
+                   .replace('algorithms = ["grpo"]', 'algorithms = ["grop"]'))
+    out = _cli("train", str(bad), "--dry-run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == ["error: invalid config:"]
+    assert "  - sead: unknown key; did you mean 'seed'?" in out.stderr
+    assert "  - env.0: unknown env id 'revers'" in out.stderr
+    assert "  - algorithms: unknown algorithm 'grop' for env 'revers'" in out.stderr
+
+
+def test_an_import_path_whose_module_is_nowhere_says_so_with_the_fix():
+    [found] = problems(minimal(algorithms=["nosuchpkg.algos:LengthPenalty"]))
+    assert found == ("algorithms: algorithm 'nosuchpkg.algos:LengthPenalty': module 'nosuchpkg.algos' was not found "
+                     "on sys.path; run trace-rl from the directory that holds nosuchpkg/ (or nosuchpkg.py), add that "
+                     "directory to PYTHONPATH, or pip install the package; or set env.server to run it on an env "
+                     "server")
+    [found] = problems(minimal(env=[{"id": "nosuchpkg.envs:MyEnv"}]))
+    assert found.startswith("env.0: env 'nosuchpkg.envs:MyEnv': module 'nosuchpkg.envs' was not found on sys.path; ")
+
+
+DOC_ALGORITHM_CONFIG = 'algorithms = ["grpo", {id = "mypkg.algos:LengthPenalty", per_token = 0.002}]'
+
+
+def test_the_docs_own_algorithm_loads_from_the_working_directory(tmp_path):
+    """docs/algorithms.md's `mypkg/algos.py`, as written there, next to where `trace-rl` runs: found without
+    PYTHONPATH. `python -P` does not put the working directory on sys.path, as the installed `trace-rl` script
+    does not: the CLI itself adds it."""
+    import re
+
+    doc = (ROOT / "docs" / "algorithms.md").read_text()
+    code = re.search(r"```python\n# mypkg/algos.py\n(.*?)```", doc, re.S).group(1)
+    assert DOC_ALGORITHM_CONFIG in doc
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "algos.py").write_text(code)
+    (tmp_path / "run.toml").write_text(DEMO.read_text().replace('algorithms = ["grpo"]', DOC_ALGORITHM_CONFIG))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def dry_run(cwd):
+        return subprocess.run([sys.executable, "-P", "-m", "flows.cli", "train", str(tmp_path / "run.toml"),
+                               "--dry-run"], capture_output=True, text=True, cwd=cwd, env=env, check=False)
+
+    out = dry_run(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert 'id = "mypkg.algos:LengthPenalty"' in out.stdout
+    out = dry_run(tmp_path.parent)  # elsewhere: the module is nowhere, and the error says so
+    assert out.returncode == 2 and "module 'mypkg.algos' was not found on sys.path; run trace-rl from the " \
+                                   "directory that holds mypkg/" in out.stderr, out.stderr
+
+
+def test_dry_run_refuses_colocate_with_a_cpu_trainer():
+    """docs/inference.md: `colocate = true` with the trainer on CPU is refused; `device = 'auto'` on a machine
+    without a GPU (CUDA_VISIBLE_DEVICES='' hides any) is a CPU trainer."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(DEMO), "--dry-run", "--set",
+                          "inference.colocate=true"], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == ("error: invalid config:\n  - inference.colocate = true: trainer.device = 'auto' trains on "
+                          "the CPU here (this machine has no GPU), which shares no GPU with the engines; remove "
+                          "inference.colocate (by default the engines colocate whenever the trainer is on CUDA)\n")
+
+
+def test_help_says_what_trace_rl_is_in_whole_sentences(capsys):
+    from flows.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "RL post-training on token-exact traces, every training step a Prefect flow run: train, evaluate, " \
+           "replay and export runs, and serve them as deployments (README.md, docs/)." in text
+    assert "serve the train, eval and replay flows as deployments" in text

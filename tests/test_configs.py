@@ -66,3 +66,26 @@ def test_prefect_yaml_demo_deployment_is_the_demo_config():
     assert deployments["demo"]["entrypoint"] == "flows/train.py:train"
     assert deployments["replay"]["entrypoint"] == "flows/replay.py:replay"
     assert validate_config(deployments["demo"]["parameters"]["config"]) == load_config(ROOT / "configs" / "demo.toml")
+    evaluation = deployments["demo-eval"]
+    assert evaluation["entrypoint"] == "flows/eval.py:evaluate" and evaluation["parameters"]["step"] == 30
+    assert validate_config(evaluation["parameters"]["config"]).model_dump(exclude={"eval"}) == validate_config(
+        deployments["demo"]["parameters"]["config"]).model_dump(exclude={"eval"})
+
+
+def test_prefect_yaml_declares_the_deployments_serve_serves(monkeypatch):
+    """docs/pipeline.md: `prefect.yaml` declares the same deployments as `trace-rl serve` (train, eval, replay),
+    and each one's parameters pass its flow's own validation."""
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    import flows.serve
+
+    served = []
+    monkeypatch.setattr(flows.serve, "serve", lambda *deployments: served.extend(deployments))
+    flows.serve.serve_config(load_config(ROOT / "configs" / "demo.toml"))
+    declared = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    assert sorted(d["entrypoint"] for d in declared) == sorted(d.entrypoint for d in served) == [
+        "flows/eval.py:evaluate", "flows/replay.py:replay", "flows/train.py:train"]
+    for deployment in declared:
+        if deployment.get("parameters"):
+            load_flow_from_entrypoint(deployment["entrypoint"]).validate_parameters(deployment["parameters"])

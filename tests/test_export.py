@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from trace_rl.tables import write_batch
 from trace_rl.trainer.run import train_one_step
 from trace_rl.trainer.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 TOKENS = [1, 60, 61, 62, 63, 70, 71, 72, 80, 81]
 
 
@@ -74,7 +76,8 @@ def test_bad_exports_are_refused_with_the_fix(lora_run, tiny_model_path, tmp_pat
     cases = [
         (["export", full.url, "--step", "1", "--adapter", str(tmp_path / "a")], "holds full weights .* --merged"),
         (["export", lora_run.url, "--step", "7", "--merged", str(tmp_path / "m")],
-         "no complete weights of step 7; steps with weights: 1, 2"),
+         r"--step 7: .* has no complete weights of step 7 \(not trained yet\); steps with weights: 1, 2; pass one "
+         r"of them, e.g. --step 2$"),
         (["export", lora_run.url, "--step", "1"], "pass --merged DIR"),
         (["export", str(tmp_path / "nothing"), "--step", "1", "--merged", str(tmp_path / "m")], "RUN .*no config.toml"),
         (["export", lora_run.url, "--step", "1", "--merged", str(tmp_path)], "exists and is not an empty directory"),
@@ -94,3 +97,23 @@ def test_replay_from_a_lora_runs_step_is_refused_with_the_export_to_use(lora_run
                  "--train", "--from-step", "1"]) == 2
     err = capsys.readouterr().err
     assert "--from-step 1: the run trains LoRA adapters" in err and "--merged DIR) and pass --model DIR" in err
+
+
+def test_a_pruned_step_is_refused_naming_the_steps_with_weights(tmp_path, capsys):
+    """README's export of configs/lora.toml: 60 steps, of which `[ckpt]` may have pruned all but the last weights."""
+    from trace_rl.loading import load_config
+
+    config = load_config(ROOT / "configs" / "lora.toml", [f"storage={json.dumps(str(tmp_path))}"])
+    storage = RunStorage(config.storage, config.name)
+    storage.write_atomic(storage.path("config.toml"), config_to_toml(config).encode())
+    for step in (59, 60):
+        storage.mark_stable(storage.path("weights", f"{step:06d}"))
+    assert main(["export", storage.url, "--step", "30", "--merged", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --step 30: {storage.url} has no complete weights of step 30 (pruned after training: "
+                   "[ckpt] keeps only some steps' weights, docs/trainer.md); steps with weights: 59, 60; pass one "
+                   "of them, e.g. --step 60\n")
+    assert not (tmp_path / "merged").exists()
+    for doc in ("README.md", "docs/lora.md"):  # the docs export the last step, which every run keeps
+        commands = re.findall(r"trace-rl export runs/lora --step (\d+)", (ROOT / doc).read_text())
+        assert commands and set(commands) == {str(config.steps)}, doc

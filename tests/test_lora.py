@@ -65,11 +65,22 @@ def test_fsdp_and_adapters_on_other_models_are_refused():
     trainer = {"num_processes": 2, "parallel": "fsdp"}
     [found] = problems(data({"rank": 4}, trainer=trainer))
     assert found.startswith("model.lora with trainer.parallel = 'fsdp' is not supported; use trainer.parallel = 'ddp'")
-    assert validate_config(data({"rank": 4}, trainer={**trainer, "num_processes": 1})).model.lora.rank == 4
+    [found] = problems(data({"rank": 4}, trainer={**trainer, "num_processes": 1}))  # docs/config.md: any fsdp
+    assert found.startswith("model.lora with trainer.parallel = 'fsdp' is not supported")
+    assert validate_config(data({"rank": 4}, trainer={"num_processes": 2})).model.lora.rank == 4  # ddp
     [found] = problems(data({"rank": 4}, trainer={**trainer, "num_processes": 1, "cpu_offload": True}))
     assert found.startswith("model.lora with trainer.parallel = 'fsdp' is not supported")
     [found] = problems(data(None, models={"reference": {"name": "tiny", "lora": {"rank": 4}}}))
     assert found == "models.reference.lora: only the trained model has adapters; move it to [model.lora] or remove it"
+
+
+def test_dry_run_refuses_lora_with_fsdp_on_one_process():
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "train", "configs/lora.toml", "--dry-run",
+                          "--set", "trainer.parallel=fsdp"], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == ("error: invalid config:\n  - model.lora with trainer.parallel = 'fsdp' is not supported; use "
+                          "trainer.parallel = 'ddp' (the default; adapters are small: every rank holds them whole), "
+                          "without trainer.cpu_offload\n")
 
 
 def test_dry_run_exits_2_naming_the_key(tmp_path):

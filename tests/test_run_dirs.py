@@ -150,3 +150,82 @@ def test_train_overwrite_still_wipes_the_run_itself(tmp_path):
 def test_a_name_must_be_a_directory_below_storage(name):
     with pytest.raises(ConfigError, match=f"name: {name!r} must name a directory below `storage`"):
         run_config("runs", name)
+
+
+def write_toml(tmp_path: Path, **data) -> str:
+    import tomli_w
+
+    path = tmp_path / "run.toml"
+    path.write_text(tomli_w.dumps({"name": "demo2", "steps": 2, "env": [{"id": "reverse-text"}],
+                                   "inference": {"backend": "hf"}, **data}))
+    return str(path)
+
+
+def finished_run(storage: str, steps: int, **data) -> RunStorage:
+    """A run directory as training leaves it after `steps` steps: config.toml, the last checkpoint and weights."""
+    run, _ = prepare_run(validate_config({"name": "demo2", "steps": steps, "storage": storage,
+                                          "env": [{"id": "reverse-text"}], "inference": {"backend": "hf"}, **data}),
+                         "new")
+    for kind in ("checkpoints", "weights"):
+        run.mark_stable(run.path(kind, f"{steps:06d}"))
+    return run
+
+
+def test_resuming_a_finished_run_says_so_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    from flows import cli
+    from trace_rl.run import finished_message
+
+    monkeypatch.setattr(cli, "_prefect", lambda *a: pytest.fail("a finished run started Prefect"))
+    run = finished_run(str(tmp_path / "runs"), 2)
+    config = write_toml(tmp_path, storage=str(tmp_path / "runs"))
+    assert cli.main(["train", config, "--resume"]) == 0
+    assert capsys.readouterr().err == (f"demo2 is already finished: all 2 steps are trained ({run.url}); nothing to "
+                                       "do. To train on, raise steps: --resume --set steps=N with N > 2\n")
+    assert cli.main(["train", config, "--resume", "--set", "steps=1"]) == 0
+    assert "demo2 is already finished: it is trained to step 2, past steps = 1" in capsys.readouterr().err
+    # steps raised: there is something to do
+    assert finished_message(validate_config({"name": "demo2", "steps": 3, "storage": str(tmp_path / "runs"),
+                                             "env": [{"id": "reverse-text"}]}), run) is None
+
+
+def test_a_finished_run_whose_last_eval_is_missing_is_not_finished(tmp_path):
+    from trace_rl.evaluation import eval_dir
+    from trace_rl.run import finished_message
+
+    evaluation = {"envs": [{"id": "reverse-text"}]}
+    run = finished_run(str(tmp_path / "runs"), 2, eval=evaluation)
+    config = validate_config({"name": "demo2", "steps": 2, "storage": str(tmp_path / "runs"),
+                              "env": [{"id": "reverse-text"}], "eval": evaluation})
+    assert finished_message(config, run) is None  # the resume runs the eval the last process did not finish
+    run.mark_stable(eval_dir(run, 2))
+    assert finished_message(config, run).startswith("demo2 is already finished")
+
+
+@pytest.mark.parametrize("storage", ["/dev/null/x", "{tmp}/file/runs"])
+def test_a_storage_where_no_directory_can_be_made_is_one_error_naming_storage(tmp_path, capsys, monkeypatch, storage):
+    from flows import cli
+    from trace_rl.run import check_run
+
+    monkeypatch.setattr(cli, "_prefect", lambda *a: pytest.fail("started Prefect"))
+    (tmp_path / "file").write_text("a file, not a directory")
+    storage = storage.format(tmp=tmp_path)
+    assert cli.main(["train", write_toml(tmp_path, storage=storage)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: storage = '{storage}': cannot ") and "Not a directory" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    # the check every start makes (`prepare_run` too, for a run started from the UI)
+    config = validate_config({"name": "demo2", "storage": storage, "env": [{"id": "reverse-text"}]})
+    with pytest.raises(RefusedError) as info:
+        check_run(config, "new")
+    assert str(info.value).startswith(f"storage = '{storage}': cannot create the run directory {storage}/demo2 (Not "
+                                      "a directory: ")
+    assert str(info.value).endswith("); set storage to a directory you can write to, e.g. --set storage=runs")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory")
+def test_a_storage_without_write_permission_is_one_error_naming_storage(tmp_path):
+    from trace_rl.run import check_run
+
+    (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(RefusedError, match=r"storage = '.*/ro': cannot (create|write to) the run directory"):
+        check_run(run_config(str(tmp_path / "ro"), "demo2"), "new")

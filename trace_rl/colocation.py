@@ -16,6 +16,9 @@ Plain Python: the decisions are tested on CPU with real configs.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from trace_rl.config import Config
 from trace_rl.names import POLICY
 
@@ -68,8 +71,10 @@ def colocated(config: Config, cuda_available: bool) -> bool:
     return config.inference.colocate is not False
 
 
-def check_colocation(config: Config) -> list[str]:
-    """Config-time problems: `colocate = true` with nothing to colocate."""
+def check_colocation(config: Config, on_this_machine: bool = False) -> list[str]:
+    """Config-time problems: `colocate = true` with nothing to colocate. `on_this_machine`: the run starts
+    here (`trace-rl train`, `serve`, `prepare_run`), so `trainer.device = 'auto'` on a machine without a GPU
+    is a CPU trainer too (not checked for a run's config read elsewhere: export, eval, replay)."""
     if config.inference.colocate is not True:
         return []
     if config.trainer.device == "cpu":
@@ -83,7 +88,26 @@ def check_colocation(config: Config) -> list[str]:
                  "the engines sample the next steps while the trainer runs, so they cannot sleep for it; set "
                  "inference.colocate = false (and leave the trainer room: inference.gpu_memory_utilization), or "
                  "async.max_off_policy_steps = 0")]
+    if on_this_machine and config.trainer.device == "auto" and not gpu_here():
+        return [("inference.colocate = true: trainer.device = 'auto' trains on the CPU here (this machine has no "
+                 "GPU), which shares no GPU with the engines; remove inference.colocate (by default the engines "
+                 "colocate whenever the trainer is on CUDA)")]
     return []
+
+
+def gpu_here() -> bool:
+    """Whether torch may find a CUDA (or ROCm) device on this machine, decided without importing torch so that
+    `--dry-run` stays fast: torch's own answer once it is imported; otherwise False only when that is certain
+    (CUDA_VISIBLE_DEVICES hides every device, or no NVIDIA, ROCm or WSL GPU device exists)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda"):
+        return torch.cuda.is_available()
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return any(os.path.exists(path) for path in GPU_DEVICES)
+
+
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd", "/dev/dxg")
 
 
 def cuda_available() -> bool:

@@ -344,10 +344,10 @@ class Config(Strict):
         if extra:
             raise ValueError(f"{', '.join(extra)}: only the trained model has adapters; move it to [model.lora] "
                              "or remove it")
-        if self.model.lora is not None and self.trainer.uses_workers and self.trainer.parallel == "fsdp":
+        if self.model.lora is not None and self.trainer.parallel == "fsdp":  # whatever num_processes is
             raise ValueError("model.lora with trainer.parallel = 'fsdp' is not supported; use trainer.parallel = "
-                             "'ddp' (adapters are small: every rank holds them whole) or trainer.num_processes = 1 "
-                             "without trainer.cpu_offload")
+                             "'ddp' (the default; adapters are small: every rank holds them whole), without "
+                             "trainer.cpu_offload")
         return self
 
     @model_validator(mode="after")

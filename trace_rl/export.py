@@ -41,8 +41,7 @@ def export_step(run: str, step: int, merged: str | None = None, adapter: str | N
     storage = RunStorage.from_url(run, storage_options)
     available = storage.stable_steps("weights")
     if step not in available:
-        raise RefusedError(f"{storage.url} has no complete weights of step {step}; steps with weights: "
-                           f"{', '.join(map(str, available)) or 'none'}")
+        raise RefusedError(missing_step(storage.url, step, available))
     targets = {flag: check_target(flag, target) for flag, target in (("--merged", merged), ("--adapter", adapter))
                if target is not None}
     if "--adapter" in targets and config.model.lora is None:  # refused before anything is downloaded
@@ -71,6 +70,20 @@ def export_step(run: str, step: int, merged: str | None = None, adapter: str | N
                 shutil.rmtree(staging, ignore_errors=True)
             written.append(target)
     return written
+
+
+def missing_step(url: str, step: int, available: list[int]) -> str:
+    """The refusal of `--step` `step` when the run has no complete weights of it, with the steps it has."""
+    if not available:
+        return f"--step {step}: {url} has no complete weights of any step yet; train it first (trace-rl train)"
+    if 0 < step < available[-1]:
+        why = "pruned after training: [ckpt] keeps only some steps' weights, docs/trainer.md"
+    elif step > available[-1]:
+        why = "not trained yet"
+    else:
+        why = "steps count from 1"
+    return (f"--step {step}: {url} has no complete weights of step {step} ({why}); steps with weights: "
+            f"{', '.join(map(str, available))}; pass one of them, e.g. --step {available[-1]}")
 
 
 def write_merged(config, adapter_dir: str, out_dir: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Literal
 
 from trace_rl.config import Config, config_to_toml
@@ -36,6 +37,7 @@ def check_run(config: Config, mode: Mode) -> RunStorage:
     """The run's storage, or RunExistsError when a new run would land in an existing run directory. The CLI
     calls this before any flow run starts; `prepare_run` again (runs started from the Prefect UI)."""
     storage = RunStorage(config.storage, config.name, config.storage_options)
+    check_local_directory(config, storage)
     if mode == "new" and run_exists(storage):
         raise RunExistsError(
             f"run directory {storage.url} already exists; pass --resume to continue it or --overwrite to wipe it "
@@ -46,12 +48,48 @@ def check_run(config: Config, mode: Mode) -> RunStorage:
     return storage
 
 
+def check_local_directory(config: Config, storage: RunStorage) -> None:
+    """On a local disk: create the run directory now (empty, it is no existing run), or a RefusedError naming
+    `storage` when it cannot be created or written to (a path through a file, no permission)."""
+    if storage.protocol not in ("file", "local"):
+        return
+    try:
+        storage.fs.makedirs(storage.root, exist_ok=True)
+        writable = os.access(storage.root, os.W_OK | os.X_OK)
+    except OSError as exc:
+        problem = f"cannot create the run directory {storage.url} ({exc.strerror or exc}"
+        problem += f": {exc.filename})" if exc.filename else ")"
+    else:
+        if writable:
+            return
+        problem = f"cannot write to the run directory {storage.url} (permission denied)"
+    raise RefusedError(f"storage = {config.storage!r}: {problem}; set storage to a directory you can write to, "
+                       "e.g. --set storage=runs")
+
+
+def finished_message(config: Config, storage: RunStorage) -> str | None:
+    """What to say when resuming the run has nothing left to do (every step trained and every eval done);
+    None otherwise."""
+    first = first_unfinished_step(storage)
+    if first <= config.steps:
+        return None
+    from trace_rl.evaluation import eval_dir, evaluates_at
+
+    if any(evaluates_at(config, step) and not storage.is_stable(eval_dir(storage, step)) for step in range(1, first)):
+        return None  # the resume runs the evals the last process did not finish
+    last = first - 1
+    done = (f"all {config.steps} steps are trained" if last == config.steps
+            else f"it is trained to step {last}, past steps = {config.steps}")
+    return (f"{config.name} is already finished: {done} ({storage.url}); nothing to do. To train on, raise steps: "
+            f"--resume --set steps=N with N > {last}")
+
+
 def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
     """Check the config and set up the run directory; return its storage and the first step to run (1-based).
 
     The config is checked here too (not only by the CLI): a run started from the Prefect UI gets
     its config as a flow parameter, validated by the schema alone."""
-    check_config(config)
+    check_config(config, on_this_machine=True)
     storage = check_run(config, mode)
     config_path = storage.path("config.toml")
     if mode == "overwrite" and run_exists(storage):

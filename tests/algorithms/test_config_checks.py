@@ -79,7 +79,7 @@ def test_an_algorithm_module_that_fails_to_import_is_that_error_not_an_unknown_o
         load_algorithm(algorithm_id)
 
 
-def test_a_module_that_is_not_here_is_unknown_and_goes_to_the_env_server(tmp_path, monkeypatch):
+def test_a_module_that_is_not_here_goes_to_the_env_server_or_is_named_not_found(tmp_path, monkeypatch):
     from trace_rl.config import AlgorithmConfig, EnvConfig
     from trace_rl.remote.client import remote_server_for
 
@@ -89,7 +89,10 @@ def test_a_module_that_is_not_here_is_unknown_and_goes_to_the_env_server(tmp_pat
     for algorithm_id in ("trace_rl_nowhere:MyAlgo", "algos_pkg.nowhere:MyAlgo"):
         env = EnvConfig(id="reverse-text", server="http://127.0.0.1:9")
         assert remote_server_for(env, AlgorithmConfig(id=algorithm_id)) == "http://127.0.0.1:9"
-        with pytest.raises(ConfigError, match=f"unknown algorithm '{algorithm_id}'"):
+        # without a server: refused, saying the module was not found (an import path all the same)
+        module = algorithm_id.partition(":")[0]
+        with pytest.raises(ConfigError, match=f"algorithm '{algorithm_id}': module '{module}' was not found on "
+                                              r"sys.path; run trace-rl from the directory that holds "):
             config([algorithm_id])
 
 

@@ -121,8 +121,10 @@ def test_exact_numeric_and_imported_rewards():
     assert numeric_match("so 1,234 apples", "1234") == 1.0 and numeric_match("3/4 of it", "0.75") == 1.0
     assert numeric_match("first 3, then 5", "3") == 0.0 and numeric_match("none", "3") == 0.0
     assert load_reward("trace_rl.envs.rewards:exact_match") is exact_match
-    with pytest.raises(EnvError, match="cannot import"):
+    with pytest.raises(EnvError, match="reward 'no_such_module:f': module 'no_such_module' was not found on sys.path"):
         load_reward("no_such_module:f")
+    with pytest.raises(EnvError, match="reward 'trace_rl.envs.rewards:nothing': cannot import it"):
+        load_reward("trace_rl.envs.rewards:nothing")
     with pytest.raises(EnvError, match="unknown reward 'fuzzy'"):
         load_reward("fuzzy")
 

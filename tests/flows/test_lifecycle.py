@@ -175,3 +175,20 @@ def subflow(api_url: str, name: str, parent: dict) -> dict:
         "flow_run_id": parent["id"], "task_key": "train_step", "dynamic_key": name, "name": name}).json()
     flow = httpx.post(f"{api_url}/flows/", json={"name": "train_step"}, timeout=10).json()
     return flow_run(api_url, flow["id"], name, {"type": "RUNNING"}, parent_task_run_id=task["id"])
+
+
+def test_the_train_flow_on_a_finished_run_says_so_and_runs_no_step(prefect_api, tmp_path, capsys):
+    """What the `train/<name>` deployment (mode = resume) does when started again on a finished run: the same
+    message `trace-rl train --resume` prints, and no step subflow."""
+    from flows.train import train
+    from tests.flows.test_pipeline import step_runs
+    from trace_rl.loading import validate_config
+
+    config = validate_config(small_config(str(tmp_path / "runs"), "finished-flow"))
+    storage = RunStorage(config.storage, config.name)
+    for kind in ("checkpoints", "weights"):
+        storage.mark_stable(storage.path(kind, "000002"))
+    assert train(config, mode="resume") == []
+    assert (f"finished-flow is already finished: all 2 steps are trained ({storage.url}); nothing to do. To train "
+            "on, raise steps: --resume --set steps=N with N > 2") in " ".join(capsys.readouterr().err.split())
+    assert step_runs(prefect_api, "finished-flow") == []

@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.config import AlgorithmConfig
+from trace_rl.imports import module_is_missing, not_on_path
 from trace_rl.names import Loss
 from trace_rl.options import option_problems
 from trace_rl.trace import Trace
@@ -132,7 +133,7 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+        if module_is_missing(module_name, exc):
             return None  # the module itself is not here
         raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
                              f"{type(exc).__name__}: {exc}; install the missing package or fix the module") from exc
@@ -151,6 +152,8 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
 def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm:
     config = AlgorithmConfig.parse(spec)
     cls = resolve_algorithm_class(config.id)
+    if cls is None and is_import_path(config.id):
+        raise AlgorithmError(f"algorithm {config.id!r}: {not_on_path(config.id.partition(':')[0])}")
     if cls is None:
         raise AlgorithmError(
             f"unknown algorithm {config.id!r}; builtin ids: {', '.join(sorted(REGISTRY))}, "

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.config import SamplingConfig
 from trace_rl.errors import RetryableError
+from trace_rl.imports import module_is_missing, not_on_path
 from trace_rl.models import Generation, ModelRuntime
 from trace_rl.options import option_problems
 from trace_rl.render import Conversation, Renderer
@@ -159,6 +160,10 @@ def import_named(path: str, what: str) -> Any:
     module_name, _, name = path.partition(":")
     try:
         return getattr(importlib.import_module(module_name), name)
+    except ModuleNotFoundError as exc:
+        if module_is_missing(module_name, exc):
+            raise EnvError(f"{what} {path!r}: {not_on_path(module_name)}") from None
+        raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
     except Exception as exc:  # noqa: BLE001 - an ImportError, a missing name, or an error the module raised
         raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
 
@@ -190,9 +195,16 @@ def check_envs(config) -> list[str]:
         where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
     problems = []
     for name, env in where:
-        try:
-            cls = resolve_env_class(env.id)
-            cls.check(validate_args(cls, dict(env.args)))
-        except EnvError as exc:
-            problems.append(f"{name}: {exc}")
+        problems += check_env(name, env.id, env.args)
     return problems
+
+
+def check_env(where: str, env_id: str, args: Mapping[str, Any]) -> list[str]:
+    """The problems of one env entry: a known id and valid `args` (also run on the entries of a config whose
+    schema failed, `trace_rl.loading`)."""
+    try:
+        cls = resolve_env_class(env_id)
+        cls.check(validate_args(cls, dict(args)))
+    except EnvError as exc:
+        return [f"{where}: {exc}"]
+    return []
