@@ -71,6 +71,7 @@ def cmd_train(args) -> int:
 
         Console().print(Syntax(config_to_toml(config), "toml", theme="ansi_dark", background_color="default"))
         return 0
+    from trace_rl.preflight import check_reachable
     from trace_rl.run import check_run, finished_message
 
     storage = check_run(config, "resume" if args.resume else "overwrite" if args.overwrite else "new")
@@ -78,6 +79,7 @@ def cmd_train(args) -> int:
     if finished is not None:  # nothing to run: no Prefect server, no flow run
         print(finished, file=sys.stderr)
         return 0
+    check_reachable(config)  # env and vLLM servers, before step 1 and before any engine starts
     _prefect(config.prefect.api_url)
     from flows.liveness import refuse_if_running
 

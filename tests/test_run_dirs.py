@@ -217,8 +217,8 @@ def test_a_storage_where_no_directory_can_be_made_is_one_error_naming_storage(tm
     config = validate_config({"name": "demo2", "storage": storage, "env": [{"id": "reverse-text"}]})
     with pytest.raises(RefusedError) as info:
         check_run(config, "new")
-    assert str(info.value).startswith(f"storage = '{storage}': cannot create the run directory {storage}/demo2 (Not "
-                                      "a directory: ")
+    assert str(info.value).startswith(f"storage = '{storage}': cannot write to the run directory {storage}/demo2 "
+                                      "(NotADirectoryError: ")
     assert str(info.value).endswith("); set storage to a directory you can write to, e.g. --set storage=runs")
 
 

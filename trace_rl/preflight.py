@@ -1,5 +1,5 @@
-"""What a run needs from outside that can be checked before step 1, before any engine starts: its storage takes a
-write with the given options, every env server answers `/health` with the token, and every vLLM server answers.
+"""The servers a run needs, checked before step 1 and before any engine starts: every env server answers `/health`
+with the token, and every vLLM server answers (its storage is checked by `trace_rl.run.check_run`).
 
 A failure is one RefusedError naming the key and the fix, instead of a step that fails minutes later.
 """
@@ -11,28 +11,14 @@ import httpx
 from trace_rl.config import Config
 from trace_rl.errors import RefusedError
 from trace_rl.remote.client import auth_headers
-from trace_rl.storage import RunStorage
 
 TIMEOUT_S = 10.0
 
 
 def check_reachable(config: Config) -> None:
-    problems = [*storage_problems(config), *env_server_problems(config), *vllm_server_problems(config)]
+    problems = [*env_server_problems(config), *vllm_server_problems(config)]
     if problems:
         raise RefusedError("; ".join(problems))
-
-
-def storage_problems(config: Config) -> list[str]:
-    """A small file written and removed under the run directory (the run directory may be left, empty)."""
-    storage = RunStorage.of(config)
-    probe = storage.path(".write-check")
-    try:
-        storage.write_atomic(probe, b"")
-        storage.remove(probe)
-    except Exception as exc:  # botocore's NoCredentialsError, PermissionError, NotADirectoryError, ...
-        return [f"storage = {config.storage!r}: cannot write {storage.url} ({type(exc).__name__}: {exc}); fix "
-                "storage, or storage_options (credentials, endpoint_url) for a remote store"]
-    return []
 
 
 def env_server_problems(config: Config) -> list[str]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Literal
 
 from trace_rl.config import Config, config_to_toml
 from trace_rl.errors import RefusedError
 from trace_rl.loading import check_config
+from trace_rl.preflight import check_reachable
 from trace_rl.session import config_hash
 from trace_rl.storage import RunStorage, check_wipe, step_name
 
@@ -36,8 +36,8 @@ def run_exists(storage: RunStorage) -> bool:
 def check_run(config: Config, mode: Mode) -> RunStorage:
     """The run's storage, or RunExistsError when a new run would land in an existing run directory. The CLI
     calls this before any flow run starts; `prepare_run` again (runs started from the Prefect UI)."""
-    storage = RunStorage(config.storage, config.name, config.storage_options)
-    check_local_directory(config, storage)
+    storage = RunStorage.of(config)
+    check_writable(config, storage)
     if mode == "new" and run_exists(storage):
         raise RunExistsError(
             f"run directory {storage.url} already exists; pass --resume to continue it or --overwrite to wipe it "
@@ -48,23 +48,19 @@ def check_run(config: Config, mode: Mode) -> RunStorage:
     return storage
 
 
-def check_local_directory(config: Config, storage: RunStorage) -> None:
-    """On a local disk: create the run directory now (empty, it is no existing run), or a RefusedError naming
-    `storage` when it cannot be created or written to (a path through a file, no permission)."""
-    if storage.protocol not in ("file", "local"):
-        return
+def check_writable(config: Config, storage: RunStorage) -> None:
+    """A small file written and removed in the run directory (which is left, empty, for a new run), or a
+    RefusedError naming `storage` and the fix: a path through a file, no permission, S3 without credentials."""
+    probe = storage.path(".write-check")
     try:
-        storage.fs.makedirs(storage.root, exist_ok=True)
-        writable = os.access(storage.root, os.W_OK | os.X_OK)
-    except OSError as exc:
-        problem = f"cannot create the run directory {storage.url} ({exc.strerror or exc}"
-        problem += f": {exc.filename})" if exc.filename else ")"
-    else:
-        if writable:
-            return
-        problem = f"cannot write to the run directory {storage.url} (permission denied)"
-    raise RefusedError(f"storage = {config.storage!r}: {problem}; set storage to a directory you can write to, "
-                       "e.g. --set storage=runs")
+        storage.write_atomic(probe, b"")
+        storage.remove(probe)
+    except Exception as exc:  # OSError locally; botocore's NoCredentialsError, ClientError, ... remotely
+        local = storage.protocol in ("file", "local")
+        fix = ("set storage to a directory you can write to, e.g. --set storage=runs" if local else
+               "fix storage, or storage_options (credentials, endpoint_url)")
+        raise RefusedError(f"storage = {config.storage!r}: cannot write to the run directory {storage.url} "
+                           f"({type(exc).__name__}: {exc}); {fix}") from None
 
 
 def finished_message(config: Config, storage: RunStorage) -> str | None:
@@ -91,6 +87,7 @@ def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
     its config as a flow parameter, validated by the schema alone."""
     check_config(config, on_this_machine=True)
     storage = check_run(config, mode)
+    check_reachable(config)
     config_path = storage.path("config.toml")
     if mode == "overwrite" and run_exists(storage):
         logger.warning("--overwrite: deleting the existing run directory %s", storage.url)
