@@ -95,6 +95,16 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_trainer_node(args) -> int:
+    """Node K of a run with `trainer.nnodes > 1`: its workers join every session node 0 starts, until the run ends."""
+    from trace_rl.trainer.nodes import serve_node
+
+    config = load_config(args.config, args.overrides)
+    reaper.start()
+    serve_node(config, args.node_rank, say=lambda line: print(line, file=sys.stderr))
+    return 0
+
+
 def cmd_eval(args) -> int:
     from trace_rl.evaluation import check_eval
     from trace_rl.replay import source_config
@@ -205,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--overwrite", action="store_true", help="wipe an existing run directory first")
     _add_verbose(train)
     train.set_defaults(func=cmd_train)
+
+    node = sub.add_parser("trainer-node", help="run node K's trainer workers of a multi-node run (trainer.nnodes > 1; "
+                          "node 0 runs `train`, docs/scaling.md)")
+    _add_config_args(node)
+    node.add_argument("--node-rank", type=int, required=True, help="this machine's node rank, 1 .. trainer.nnodes - 1")
+    _add_verbose(node)
+    node.set_defaults(func=cmd_trainer_node)
 
     serve = sub.add_parser("serve", help="serve the train, eval and replay flows as deployments (runs start from the "
                            "UI)")

@@ -198,6 +198,23 @@ class TrainerConfig(Strict):
         "block's weights come to the GPU only while it computes; the optimizer step runs on the CPU. Needs "
         "parallel = 'fsdp'; with num_processes = 1 the trainer runs as one persistent worker (docs/scaling.md)")
     loss: LossConfig = Field(default_factory=LossConfig, description="[trainer.loss]")
+    nnodes: int = Field(1, gt=0, description="machines the trainer runs on, num_processes workers each; > 1: node 0 "
+                        "runs `trace-rl train`, node K `trace-rl trainer-node CONFIG --node-rank K` (docs/scaling.md)")
+    rdzv_endpoint: str | None = Field(None, description="with nnodes > 1: 'host:port' of node 0, where torchrun's "
+                                      "c10d rendezvous listens (every node must reach it)")
+    join_timeout_s: float = Field(600.0, gt=0, description="with nnodes > 1: the first step fails, naming the "
+                                  "missing node ranks, when the nodes have not all joined after this long")
+    node_timeout_s: float = Field(60.0, gt=0, description="with nnodes > 1: a node whose heartbeat (in the run's "
+                                  "storage) is this old is gone: the step fails naming it")
+
+    @model_validator(mode="after")
+    def _nodes_need_an_endpoint(self) -> TrainerConfig:
+        if self.nnodes > 1:
+            host, _, port = (self.rdzv_endpoint or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"trainer.nnodes = {self.nnodes} needs trainer.rdzv_endpoint = 'host:port' (node "
+                                 f"0's address and a free port every node reaches), got {self.rdzv_endpoint!r}")
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> TrainerConfig:
@@ -209,7 +226,7 @@ class TrainerConfig(Strict):
     @property
     def uses_workers(self) -> bool:
         """Whether training runs on persistent torchrun workers (trace_rl.trainer.workers), not in this process."""
-        return self.num_processes > 1 or self.cpu_offload
+        return self.num_processes > 1 or self.cpu_offload or self.nnodes > 1
 
 
 class CheckpointConfig(Strict):

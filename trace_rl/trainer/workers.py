@@ -3,7 +3,7 @@
 With `trainer.num_processes = N > 1`, or `trainer.cpu_offload` (N = 1 too), the run's process starts
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node N \\
-        -m trace_rl.trainer.worker --control DIR --parent PID:START
+        -m trace_rl.trainer.worker --control DIR --config FILE --parent PID:START
 
 once. Every rank builds its model, restores the latest checkpoint and writes `ready-<rank>.json`;
 then it waits for numbered commands in the private control directory `DIR`. Each step
@@ -11,6 +11,13 @@ then it waits for numbered commands in the private control directory `DIR`. Each
 `steps/<step>/batch.parquet` in the run's storage) and waits until rank 0 writes
 `result-<n>.json`, which it does after the step's weights (and checkpoint, when the step has one)
 are STABLE. The model is never reloaded between steps.
+
+With `trainer.nnodes = M > 1` this process is node 0: its torchrun joins the c10d rendezvous at
+`trainer.rdzv_endpoint` (which it hosts) with the workers that `trace-rl trainer-node` starts on
+nodes 1 .. M-1, and the control directory is the session's directory in the run's storage
+(trace_rl/trainer/nodes.py), so every node reads the same commands. The first step fails, naming
+the missing node ranks, when they have not all joined within `trainer.join_timeout_s`; a node
+whose heartbeat stops for `trainer.node_timeout_s` fails the step in flight, naming it.
 
 Every file is written to a temporary name and renamed, so a reader never sees half of one.
 When a worker dies, torchrun stops the others and exits: the waiting step raises `TrainerError`
@@ -21,12 +28,10 @@ also SIGKILLs them).
 
 from __future__ import annotations
 
-import json
+import io
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,33 +39,32 @@ from typing import Any, Self
 
 from trace_rl import processes
 from trace_rl.config import Config
-from trace_rl.credentials import REVEAL
+from trace_rl.errors import RefusedError
 from trace_rl.storage import RunStorage, step_name
+from trace_rl.trainer.nodes import (Channel, Heartbeat, NodeSession, NodeWatch, end_workers, heartbeat_interval,
+                                    torchrun_command, write_private_config)
 from trace_rl.trainer.run import TrainerError, check_resumes_at
 
-POLL_S = 0.02
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL = 4000
 
 _RUNNING: set[TrainerWorkers] = set()
 
 
-def write_json_atomic(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
 class TrainerWorkers:
-    """The torchrun workers of one run (one per local rank), kept up from the first step they train to `stop`."""
+    """The torchrun workers of one run (one per rank), kept up from the first step they train to `stop`: the one
+    owner of their lifecycle. With several nodes, the other nodes' workers follow the session it starts."""
 
     def __init__(self, config: Config, storage: RunStorage):
         self.config = config
         self.storage = storage
         self.process: subprocess.Popen | None = None
-        self.control: str | None = None
-        self.pids: list[int] = []  # of the ranks, in rank order
+        self.local: str | None = None  # private: the config with credentials, the workers' log
+        self.channel: Channel | None = None
+        self.session: NodeSession | None = None  # trainer.nnodes > 1
+        self.watch: NodeWatch | None = None  # the other nodes' heartbeats
+        self._heartbeat: Heartbeat | None = None
+        self.pids: list[int] = []  # of this node's ranks, in rank order
         self.step: int | None = None  # the last step whose optimizer step the workers hold
         self._starts: list[int] = []
         self._sent = 0
@@ -76,25 +80,46 @@ class TrainerWorkers:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def control(self) -> str | None:
+        """The control directory: a local path with one node, the session's directory in the run's storage with
+        several."""
+        return None if self.channel is None else self.channel.root
+
+    @property
+    def world_size(self) -> int:
+        return self.config.trainer.num_processes * self.config.trainer.nnodes
+
     def start(self) -> None:
-        """Launch the workers and wait until every rank has restored the latest checkpoint."""
-        self.control = tempfile.mkdtemp(prefix="trace-rl-workers-")
-        with open(os.path.join(self.control, "config.json"), "w") as f:  # private (0700): real credentials
-            f.write(self.config.model_dump_json(context={REVEAL: True}))
-        me = processes.stat(os.getpid())
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc_per_node", str(self.config.trainer.num_processes),
-            "-m", "trace_rl.trainer.worker", "--control", self.control, "--parent", f"{os.getpid()}:{me.start}",
-        ]
-        with open(os.path.join(self.control, "workers.log"), "w") as log:
+        """Launch the workers and wait until every rank (of every node) has restored the latest checkpoint."""
+        self.local = tempfile.mkdtemp(prefix="trace-rl-workers-")
+        config_path = write_private_config(self.local, self.config)
+        if self.config.trainer.nnodes > 1:
+            self._open_session()
+        else:
+            self.channel = Channel.local(self.local)
+        command = torchrun_command(self.config, self.channel.root, config_path, 0, self.session and self.session.id)
+        with open(os.path.join(self.local, "workers.log"), "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         _RUNNING.add(self)
         self._sent = 0
-        ready = [self._wait_for(f"ready-{rank}.json", "their start") for rank in range(self.config.trainer.num_processes)]
-        self.pids = [r["pid"] for r in ready]
-        self._starts = [r["start"] for r in ready]
+        deadline = None if self.session is None else time.monotonic() + self.config.trainer.join_timeout_s
+        ready = [self._wait_for(f"ready-{rank}.json", "their start", deadline) for rank in range(self.world_size)]
+        mine = [r for r in ready if r.get("node", 0) == 0]
+        self.pids = [r["pid"] for r in mine]
+        self._starts = [r["start"] for r in mine]
         self.step = ready[0]["restored"]
+
+    def _open_session(self) -> None:
+        """A new session in the run's storage (node 0's heartbeat first, then `nodes/session.json`)."""
+        try:
+            self.session = NodeSession.create(self.storage, self.config)
+        except RefusedError as exc:
+            raise TrainerError(str(exc)) from None
+        self.channel = self.session.channel
+        self._heartbeat = Heartbeat(self.channel, 0, heartbeat_interval(self.config)).start()
+        self.session.publish()
+        self.watch = self.session.watch(list(range(1, self.config.trainer.nnodes)), self.config)
 
     def train(self, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
         """Train `step` on the workers (starting them if needed); returns rank 0's metrics once its weights
@@ -109,7 +134,11 @@ class TrainerWorkers:
             self.stop()  # they hold another step's state (a re-run after a resume): restore from storage
         if not self.alive:
             self.stop()
-            self.start()
+            try:
+                self.start()
+            except TrainerError:
+                self.stop()
+                raise
         check_resumes_at(self.step, step)
         first_step = self.step is None and step <= 1  # no checkpoint: only the first step starts from the base model
         if not first_step and self.step != step - 1:
@@ -119,9 +148,10 @@ class TrainerWorkers:
                 "steps after its newest checkpoint)")
         n = self._sent
         self._sent += 1
-        extra_path = os.path.join(self.control, f"extra-{n}.pt")
-        torch.save(dict(extra_state or {}), extra_path)
-        write_json_atomic(os.path.join(self.control, f"command-{n}.json"), {"step": step, "extra_state": extra_path})
+        buffer = io.BytesIO()
+        torch.save(dict(extra_state or {}), buffer)
+        self.channel.write(f"extra-{n}.pt", buffer.getvalue())
+        self.channel.write_json(f"command-{n}.json", {"step": step, "extra_state": f"extra-{n}.pt"})
         try:
             metrics = self._wait_for(f"result-{n}.json", f"step {step}")
         except TrainerError:
@@ -133,28 +163,56 @@ class TrainerWorkers:
         self.step = step
         return metrics
 
-    def _wait_for(self, name: str, what: str) -> Any:
-        path = os.path.join(self.control, name)
-        while not os.path.exists(path):
+    def _wait_for(self, name: str, what: str, deadline: float | None = None) -> Any:
+        """The control file `name` once a worker wrote it; TrainerError when the workers die first, a node goes
+        silent, or (joining) `deadline` passes."""
+        while (found := self.channel.read_json(name)) is None:
             code = self.process.poll()
             if code is not None:
                 raise TrainerError(f"trainer workers died during {what} (torchrun exit {code}); the next attempt "
                                    f"starts new workers from the latest checkpoint:\n{self._failure()}")
-            time.sleep(POLL_S)
-        with open(path) as f:
-            return json.load(f)
+            if self.watch is not None:
+                self._check_nodes(what, deadline)
+            time.sleep(self.channel.poll_s)
+        return found
+
+    def _check_nodes(self, what: str, deadline: float | None) -> None:
+        """TrainerError naming the nodes that went silent, or (past `deadline`) those that never joined."""
+        gone = self.watch.gone()
+        if gone:
+            nodes = ", ".join(str(node) for node in gone)
+            self._kill()
+            raise TrainerError(f"trainer node {nodes} stopped answering during {what}; the next attempt starts new "
+                               f"workers from the latest checkpoint (restart `trace-rl trainer-node` there if it "
+                               f"died):\n{self._failure()}")
+        if deadline is not None and time.monotonic() > deadline:
+            missing = self.watch.missing() or [node for node in self.watch.nodes]
+            nodes = ", ".join(str(node) for node in missing)
+            self._kill()
+            raise TrainerError(
+                f"trainer node rank{'s' if len(missing) > 1 else ''} {nodes} did not join within "
+                f"{self.config.trainer.join_timeout_s:g} s (trainer.join_timeout_s): run `trace-rl trainer-node "
+                f"CONFIG --node-rank K` there with the same config (rendezvous {self.config.trainer.rdzv_endpoint}, "
+                f"run {self.storage.url})")
+
+    def _kill(self) -> None:
+        """SIGKILL this node's torchrun (its ranks are killed by `stop`)."""
+        if self.alive:
+            self.process.kill()
+            self.process.wait()
 
     def _failure(self) -> str:
-        """The workers' own error reports if any wrote one, else the tail of their log."""
-        errors = sorted(name for name in os.listdir(self.control) if name.startswith("error-"))
+        """The workers' own error reports if any wrote one, else the tail of their log; with several nodes, what
+        became of each (`NodeSession.failure`)."""
+        with open(os.path.join(self.local, "workers.log")) as f:
+            log = f.read()[-LOG_TAIL:]
+        if self.session is not None:
+            return self.session.failure(self.watch, self.config, log)[-LOG_TAIL:]
         texts = []
-        for name in errors:
-            with open(os.path.join(self.control, name)) as f:
-                texts.append(f"rank {name.removeprefix('error-').removesuffix('.json')}: {json.load(f)}")
-        if texts:
-            return "\n".join(texts)[-LOG_TAIL:]
-        with open(os.path.join(self.control, "workers.log")) as f:
-            return f.read()[-LOG_TAIL:]
+        for name in self.channel.names("error-"):
+            report = self.channel.read_json(name)
+            texts.append(f"rank {name.removeprefix('error-').removesuffix('.json')}: {report['error']}")
+        return "\n".join(texts)[-LOG_TAIL:] if texts else log
 
     def stop(self) -> None:
         """Ask the workers to exit (kill them if they do not within STOP_TIMEOUT_S) and remove the control dir.
@@ -164,18 +222,17 @@ class TrainerWorkers:
 
     def _stop(self) -> None:
         if self.alive:
-            write_json_atomic(os.path.join(self.control, f"command-{self._sent}.json"), {"stop": True})
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for pid, start in zip(self.pids, self._starts):  # a rank torchrun could not stop
-            if processes.is_alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
-        if self.control is not None:
-            shutil.rmtree(self.control, ignore_errors=True)
-        self.process, self.control, self.pids, self._starts, self.step = None, None, [], [], None
+            self.channel.write_json(f"command-{self._sent}.json", {"stop": True})
+        if self.process is not None:
+            end_workers(self.process, list(zip(self.pids, self._starts)), STOP_TIMEOUT_S)
+        if self.session is not None:
+            self.session.end()  # the other nodes stop their workers
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self.local is not None:
+            shutil.rmtree(self.local, ignore_errors=True)
+        self.process, self.local, self.channel, self.pids, self._starts, self.step = None, None, None, [], [], None
+        self.session, self.watch, self._heartbeat = None, None, None
         _RUNNING.discard(self)
 
 
