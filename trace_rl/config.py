@@ -164,15 +164,129 @@ class EnvConfig(Strict):
         "the env's rollouts fail (the env raised, or retries ran out); 1: never")
 
 
+# the [trainer.loss] keys each policy reads; the others are refused with that policy (docs/trainer.md)
+POLICY_KEYS = {
+    "dppo": {"dppo_mask_low", "dppo_mask_high", "kl_tau"},
+    "ppo": {"clip_low", "clip_high", "clip_c"},
+    "gspo": {"clip_low", "clip_high"},
+    "cispo": {"clip_low", "clip_high"},
+    "sapo": {"tau_pos", "tau_neg"},
+    "reinforce": set(),
+}
+# (clip_low, clip_high) when unset: PPO's 0.2 (Schulman et al. 2017); GSPO's 3e-4 / 4e-4 (Zheng et al. 2025,
+# section 5.1); CISPO with no lower bound (MiniMax-M1 imposes none) and PPO's 0.2 above
+CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2)}
+TAU_DEFAULTS = (1.0, 1.05)  # SAPO's tau_pos, tau_neg (Gao et al. 2025; verl's defaults)
+# the policies whose ratio is not clipped: the only ones a truncating correction applies to
+TRUNCATABLE = ("dppo", "reinforce")
+
+
+class CorrectionConfig(Strict):
+    """`[trainer.loss.correction]`: the importance correction for the sampler/trainer mismatch (docs/trainer.md)."""
+
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="the weight w: token: w_t = r_t; sequence: w = exp(sum of the sequence's log ratios); "
+        "geometric: w = exp(their mean over the sequence's rl tokens)")
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: the token's weight becomes sg(min(w, high)) (TIS; dppo and reinforce "
+        "only); mask: a token (or sequence) with w outside [low, high] leaves the loss (MIS / IcePop)")
+    low: float | None = Field(None, ge=0, description="mode = 'mask' only: the lower bound of w (unset: 0, none)")
+    high: float = Field(..., gt=0, description="truncate: the cap of w; mask: the upper bound of w")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> CorrectionConfig:
+        if self.low is not None and self.mode != "mask":
+            raise ValueError("low is a bound of mode = 'mask' (truncate caps from above only): remove low or set "
+                             "mode = 'mask'")
+        if self.low is not None and self.low >= self.high:
+            raise ValueError(f"low = {self.low:g} must be below high = {self.high:g}")
+        return self
+
+
 class LossConfig(Strict):
     """`[trainer.loss]`: see docs/trainer.md for the formulas."""
 
-    dppo_mask_low: float = Field(0.2, ge=0, description="drop A<0 tokens whose probability fell by more than this")
-    dppo_mask_high: float = Field(0.2, ge=0, description="drop A>0 tokens whose probability rose by more than this")
-    kl_tau: float = Field(1e-3, ge=0, description="weight of the log-ratio**2 penalty on rl tokens")
+    policy: Literal["dppo", "ppo", "gspo", "cispo", "sapo", "reinforce"] = Field(
+        "dppo", description="the rl policy loss: dppo (prime-rl's trust-region loss), ppo, gspo, cispo, sapo, "
+        "reinforce (docs/trainer.md)")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = (
+        Field(None, description="how token losses become the step's loss, step-wide (unset: token-mean; "
+              "seq-mean-token-mean for gspo and sapo)"))
+    norm_tokens: int | None = Field(
+        None, gt=0, description="aggregation = 'seq-mean-token-sum-norm' only: the constant a sequence's token sum is "
+        "divided by (unset: the largest sampling.max_completion_tokens of the run)")
+    dppo_mask_low: float = Field(0.2, ge=0, description="dppo: drop A<0 tokens whose probability fell by more than "
+                                 "this")
+    dppo_mask_high: float = Field(0.2, ge=0, description="dppo: drop A>0 tokens whose probability rose by more than "
+                                  "this")
+    kl_tau: float = Field(1e-3, ge=0, description="dppo: weight of the log-ratio**2 penalty on rl tokens")
+    clip_low: float | None = Field(
+        None, ge=0, description="ppo, gspo, cispo: the ratio's lower clip 1 - clip_low (unset: 0.2; gspo 3e-4; "
+        "cispo 1.0, no bound)")
+    clip_high: float | None = Field(
+        None, ge=0, description="ppo, gspo, cispo: the ratio's upper clip 1 + clip_high (unset: 0.2; gspo 4e-4)")
+    clip_c: float | None = Field(None, gt=1, description="ppo: dual-clip, a token with A < 0 loses at most "
+                                 "-clip_c * A (unset: no dual clip)")
+    tau_pos: float | None = Field(None, gt=0, description="sapo: the gate's temperature where A > 0 (unset: 1.0)")
+    tau_neg: float | None = Field(None, gt=0, description="sapo: the gate's temperature where A <= 0 (unset: 1.05)")
     max_is_ratio: float | None = Field(
         None, gt=0, description="truncated importance sampling: cap the ratio pi/pi_inf in the policy gradient "
-        "at this value (unset: no cap)")
+        "at this value (unset: no cap); shorthand of correction = {level = 'token', mode = 'truncate', high = ...}")
+    correction: CorrectionConfig | None = Field(
+        None, description="[trainer.loss.correction]: importance correction for the sampler/trainer mismatch "
+        "(unset: none)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LossConfig:
+        problems = []
+        used = POLICY_KEYS[self.policy]
+        for key in sorted(set().union(*POLICY_KEYS.values()) - used):
+            if getattr(self, key) != type(self).model_fields[key].default:
+                users = [p for p, keys in POLICY_KEYS.items() if key in keys]
+                problems.append(f"{key} is not used by policy = '{self.policy}' (only by {', '.join(users)}); "
+                                "remove it")
+        if self.norm_tokens is not None and self.aggregation_mode != "seq-mean-token-sum-norm":
+            problems.append("norm_tokens is used only by aggregation = 'seq-mean-token-sum-norm'; remove it")
+        if self.policy == "gspo" and self.aggregation_mode != "seq-mean-token-mean":
+            problems.append(f"policy = 'gspo' optimizes a sequence-level objective: aggregation = "
+                            f"'{self.aggregation}' loses the sequence structure; use 'seq-mean-token-mean' (or unset)")
+        if self.max_is_ratio is not None and self.correction is not None:
+            problems.append("max_is_ratio is the shorthand of correction = {level = 'token', mode = 'truncate', "
+                            "high = ...}: set one of them")
+        correction = self.importance_correction
+        if correction is not None and correction.mode == "truncate" and self.policy not in TRUNCATABLE:
+            what = "max_is_ratio" if self.max_is_ratio is not None else "correction.mode = 'truncate'"
+            problems.append(f"{what} truncates the importance weight of dppo and reinforce; policy = "
+                            f"'{self.policy}' has its own clipped or gated ratio: use correction.mode = 'mask'")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def aggregation_mode(self) -> str:
+        """`aggregation`, or the policy's default when unset: seq-mean-token-mean for gspo and sapo, else token-mean."""
+        if self.aggregation is not None:
+            return self.aggregation
+        return "seq-mean-token-mean" if self.policy in ("gspo", "sapo") else "token-mean"
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        """(clip_low, clip_high), the unset ones at the policy's defaults."""
+        low, high = CLIP_DEFAULTS.get(self.policy, (0.2, 0.2))
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
+
+    @property
+    def taus(self) -> tuple[float, float]:
+        """(tau_pos, tau_neg), the unset ones at SAPO's defaults."""
+        return (TAU_DEFAULTS[0] if self.tau_pos is None else self.tau_pos,
+                TAU_DEFAULTS[1] if self.tau_neg is None else self.tau_neg)
+
+    @property
+    def importance_correction(self) -> CorrectionConfig | None:
+        """`correction`, or what `max_is_ratio` is the shorthand of."""
+        if self.max_is_ratio is not None:
+            return CorrectionConfig(level="token", mode="truncate", high=self.max_is_ratio)
+        return self.correction
 
 
 class TrainerConfig(Strict):

@@ -1,32 +1,62 @@
 """The training losses, one function each, over per-token logprobs of a packed micro-batch.
 
-Every per-token tensor is 1-D and aligned with the packed tokens. Each loss is a
-sum over its own mask divided by its own *step-wide* scale: the number of tokens
-in that mask over all micro-batches and all ranks (at least 1). Summing the
-micro-batch losses over a step therefore gives the mean over the step's tokens of
-each channel, and an echo (ce) token never dilutes the rl gradient, nor the reverse.
+Every per-token tensor is 1-D and aligned with the packed tokens; a micro-batch holds whole
+sequences (training samples), `sequence_lengths` of them in order. A policy function gives
+each rl token's loss; `aggregate` turns a channel's token losses into its share of the step's
+loss, dividing by *step-wide* counts (tokens or sequences with a token of that channel, over
+all micro-batches and all ranks, at least 1). Summing the micro-batch losses over a step
+therefore gives the step's loss whatever the packing and the number of ranks, and an echo
+(ce) token never dilutes the rl gradient, nor the reverse. Formulas: docs/trainer.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from trace_rl.config import LossConfig
+from trace_rl.config import CorrectionConfig, LossConfig
 
 Channel = tuple[torch.Tensor, torch.Tensor]  # (values float, mask bool), both aligned with the tokens
 
 
-def trust_region_keep(
-    advantages: torch.Tensor, lp: torch.Tensor, lp_inf: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
-    """DPPO trust-region mask on the probability difference `dp = exp(lp) - exp(lp_inf)`.
+# -- sequences ------------------------------------------------------------------------------
 
-    A token leaves the policy term when the update would push it further out of the
-    region: `A > 0 and dp > dppo_mask_high`, or `A < 0 and dp < -dppo_mask_low`.
+
+def sequence_index(sequence_lengths: Sequence[int] | torch.Tensor | None, num_tokens: int,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each token's sequence (0, 0, 1, 1, 1, ...) and the number of sequences; None: one sequence of all tokens."""
+    if sequence_lengths is None:
+        return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+    lengths = torch.as_tensor(sequence_lengths, dtype=torch.long, device=device)
+    if int(lengths.sum()) != num_tokens or bool((lengths <= 0).any()):
+        raise ValueError(f"sequence_lengths {lengths.tolist()} must be positive and sum to the {num_tokens} tokens")
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths), len(lengths)
+
+
+def per_sequence(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """`s_i = sum_{t in sequence i} values_t`, one per sequence (differentiable)."""
+    return values.new_zeros(count).index_add(0, index, values)
+
+
+# -- importance weights -------------------------------------------------------------------------
+
+
+def log_importance_weight(log_r: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, count: int,
+                          level: str) -> torch.Tensor:
+    """The log of the importance weight each token is corrected with (detached; `log_r` is 0 outside `mask`).
+
+        token:      log w_t = log_r_t
+        sequence:   log w_t = sum_{u in seq(t), u in mask} log_r_u      (w: the product of the ratios; verl)
+        geometric:  log w_t = mean_{u in seq(t), u in mask} log_r_u     (the length-normalized form, TRL #5815)
     """
-    dp = torch.exp(lp.detach()) - torch.exp(lp_inf)
-    dropped = ((advantages > 0) & (dp > config.dppo_mask_high)) | ((advantages < 0) & (dp < -config.dppo_mask_low))
-    return ~dropped
+    log_r = log_r.detach()
+    if level == "token":
+        return log_r
+    total = per_sequence(log_r, index, count)
+    if level == "geometric":
+        total = total / per_sequence(mask.to(log_r.dtype), index, count).clamp(min=1)
+    return total[index]
 
 
 def truncated_ratio(log_r: torch.Tensor, max_is_ratio: float | None) -> torch.Tensor:
@@ -45,31 +75,202 @@ def truncated_ratio(log_r: torch.Tensor, max_is_ratio: float | None) -> torch.Te
     return torch.clamp(r.detach(), max=max_is_ratio) * torch.exp(log_r - log_r.detach())
 
 
-def rl_loss_sum(
-    lp: torch.Tensor, lp_inf: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig
+def weighted_ratio(log_r: torch.Tensor, log_w: torch.Tensor | None, cap: float | None) -> torch.Tensor:
+    """The ratio of dppo's policy term: the importance weight `w` in value, `w · ∇lp` in gradient.
+
+        r~ = sg(min(w, C)) * exp(log_r - sg(log_r))       (C = cap; none: min(w, C) = w)
+
+    `log_w = None` is the token level (w = r): `truncated_ratio(log_r, cap)`, today's arithmetic exactly.
+    """
+    if log_w is None:
+        return truncated_ratio(log_r, cap)
+    w = torch.exp(log_w.detach())
+    if cap is not None:
+        w = torch.clamp(w, max=cap)
+    return w * torch.exp(log_r - log_r.detach())
+
+
+def correction_keep(log_w: torch.Tensor, correction: CorrectionConfig | None) -> torch.Tensor | None:
+    """Masked importance sampling (MIS / IcePop): keep a token iff `low <= w <= high`; None when not masking."""
+    if correction is None or correction.mode != "mask":
+        return None
+    w = torch.exp(log_w.detach())
+    return (w >= (correction.low or 0.0)) & (w <= correction.high)
+
+
+# -- policy losses: per-token loss of the rl channel ------------------------------------------------
+
+
+def trust_region_keep(
+    advantages: torch.Tensor, lp: torch.Tensor, lp_inf: torch.Tensor, config: LossConfig
 ) -> torch.Tensor:
-    """Importance-weighted policy gradient with the DPPO mask, truncated ratios and a squared-log-ratio KL penalty.
+    """DPPO trust-region mask on the probability difference `dp = exp(lp) - exp(lp_inf)`.
 
-        log_r = lp - lp_inf,  r = exp(log_r),  r~ = min(r, C) with gradient min(r, C) * d lp   (C = max_is_ratio)
-        rl_sum = sum_{t in mask} [ -keep_t * A_t * r~_t + kl_tau * log_r_t**2 ]
-        d rl_sum / d lp_t = -keep_t * A_t * min(r_t, C) + 2 * kl_tau * log_r_t
-
-    Without `max_is_ratio`, r~ = r (C = inf). See `truncated_ratio`.
+    A token leaves the policy term when the update would push it further out of the
+    region: `A > 0 and dp > dppo_mask_high`, or `A < 0 and dp < -dppo_mask_low`.
     """
-    log_r = torch.where(mask, lp - lp_inf, torch.zeros_like(lp))  # zero outside the mask: exp never overflows there
+    dp = torch.exp(lp.detach()) - torch.exp(lp_inf)
+    dropped = ((advantages > 0) & (dp > config.dppo_mask_high)) | ((advantages < 0) & (dp < -config.dppo_mask_low))
+    return ~dropped
+
+
+def dppo_token_loss(lp: torch.Tensor, lp_inf: torch.Tensor, log_r: torch.Tensor, advantages: torch.Tensor,
+                    ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """DPPO (prime-rl): importance-weighted policy gradient with the trust-region mask and a squared-log-ratio KL.
+
+        l_t = -keep_t * A_t * r~_t + kl_tau * log_r_t**2
+        d l_t / d lp_t = -keep_t * A_t * w~_t + 2 * kl_tau * log_r_t
+
+    `ratio` is r~ (`weighted_ratio`): r without a correction, min(r, C) with max_is_ratio = C.
+    """
     keep = trust_region_keep(advantages, lp, lp_inf, config)
-    ratio = truncated_ratio(log_r, config.max_is_ratio)
     policy = torch.where(keep, advantages * ratio, torch.zeros_like(lp))
-    per_token = -policy + config.kl_tau * log_r**2
-    return torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
+    return -policy + config.kl_tau * log_r**2
 
 
-def ce_loss_sum(lp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Weighted cross-entropy (negative log-likelihood) of the target tokens.
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                      clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate with separate bounds (DAPO's clip-higher) and the optional dual clip.
 
-        ce_sum = sum_{t in mask} [ -w_t * lp_t ]
+        l_t = max(-r_t A_t, -clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
+        dual clip (clip_c, Ye et al. 2020), where A_t < 0:  l_t = min(l_t, -clip_c A_t)
+
+    Schulman et al. 2017; Yu et al. 2025 (DAPO). Returns (l, whether the clipped branch is the one taken).
     """
-    return torch.where(mask, -weights * lp, torch.zeros_like(lp)).sum()
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    taken = clipped > unclipped
+    if clip_c is not None:
+        floor = -clip_c * advantages
+        dual = (advantages < 0) & (loss > floor)
+        loss = torch.where(dual, floor, loss)
+        taken = taken | dual
+    return loss, taken
+
+
+def ppo_token_loss(log_r: torch.Tensor, advantages: torch.Tensor, config: LossConfig):
+    """ppo: `clipped_surrogate` of the token ratio r_t = exp(lp_t - lp_inf_t) (the sampler is the behaviour policy)."""
+    return clipped_surrogate(torch.exp(log_r), advantages, *config.clip, config.clip_c)
+
+
+def gspo_token_loss(log_r: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
+                    count: int, config: LossConfig):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the clipped surrogate of the sequence ratio.
+
+        s_i = exp(mean_{t in seq i, t in mask} log_r_t)
+        s_it = sg(s_i) * exp(log_r_t - sg(log_r_t))        (value s_i, gradient s_i ∇lp_t)
+        l_t = max(-s_it A_t, -clip(s_it, 1 - clip_low, 1 + clip_high) A_t)
+    """
+    log_s = log_importance_weight(log_r, mask, index, count, "geometric")
+    ratio = torch.exp(log_s + log_r - log_r.detach())
+    return clipped_surrogate(ratio, advantages, *config.clip)
+
+
+def cispo_token_loss(lp: torch.Tensor, log_r: torch.Tensor, advantages: torch.Tensor, config: LossConfig):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the clipped ratio as a stop-gradient weight of the log-likelihood.
+
+        l_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t lp_t,    d l_t / d lp_t = -clip(r_t, ...) A_t
+    """
+    low, high = config.clip
+    r = torch.exp(log_r.detach())
+    weight = torch.clamp(r, 1 - low, 1 + high)
+    return -weight * advantages * lp, weight != r
+
+
+def sapo_token_loss(log_r: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate instead of a hard clip.
+
+        tau_t = tau_pos if A_t > 0 else tau_neg
+        l_t = -A_t * sigmoid(tau_t (r_t - 1)) * 4 / tau_t
+        d l_t / d lp_t = -A_t * 4 r_t sigmoid'(tau_t (r_t - 1)),  = -A_t at r_t = 1
+    """
+    tau_pos, tau_neg = config.taus
+    tau = torch.where(advantages > 0, torch.full_like(log_r, tau_pos), torch.full_like(log_r, tau_neg))
+    return -advantages * torch.sigmoid(tau * (torch.exp(log_r) - 1)) * 4 / tau
+
+
+def reinforce_token_loss(lp: torch.Tensor, advantages: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """REINFORCE (Williams 1992) with the correction's importance weight: `l_t = -sg(w_t) A_t lp_t` (w = 1 without
+    a correction, min(w, high) when truncating)."""
+    if weight is None:
+        return -advantages * lp
+    return -weight.detach() * advantages * lp
+
+
+def rl_token_loss(lp: torch.Tensor, lp_inf: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  index: torch.Tensor, count: int, config: LossConfig):
+    """Each rl token's loss under `config.policy` and `config.correction` (0 outside `mask`), and per token
+    whether the correction truncated it, masked it, and the policy clipped it (bool tensors)."""
+    log_r = torch.where(mask, lp - lp_inf, torch.zeros_like(lp))  # zero outside the mask: exp never overflows there
+    correction = config.importance_correction
+    level = correction.level if correction is not None else "token"
+    log_w = log_importance_weight(log_r, mask, index, count, level)
+    keep = correction_keep(log_w, correction)
+    cap = correction.high if correction is not None and correction.mode == "truncate" else None
+    truncated = mask & (torch.exp(log_w) > cap) if cap is not None else torch.zeros_like(mask)
+    masked = mask & ~keep if keep is not None else torch.zeros_like(mask)
+    if keep is not None:  # a masked token leaves the loss (and gspo's sequence mean); its ratio may be inf: use 1
+        mask = mask & keep
+        log_r = torch.where(keep, log_r, torch.zeros_like(log_r))
+        log_w = torch.where(keep, log_w, torch.zeros_like(log_w))
+    clipped = torch.zeros_like(mask)
+    if config.policy == "dppo":
+        ratio = weighted_ratio(log_r, None if level == "token" else log_w, cap)
+        per_token = dppo_token_loss(lp, lp_inf, log_r, advantages, ratio, config)
+    elif config.policy == "ppo":
+        per_token, clipped = ppo_token_loss(log_r, advantages, config)
+    elif config.policy == "gspo":
+        per_token, clipped = gspo_token_loss(log_r, advantages, mask, index, count, config)
+    elif config.policy == "cispo":
+        per_token, clipped = cispo_token_loss(lp, log_r, advantages, config)
+    elif config.policy == "sapo":
+        per_token = sapo_token_loss(log_r, advantages, config)
+    elif config.policy == "reinforce":
+        weight = None if correction is None else torch.exp(log_w)
+        if cap is not None:
+            weight = torch.clamp(weight, max=cap)
+        per_token = reinforce_token_loss(lp, advantages, weight)
+    else:
+        raise ValueError(f"unknown trainer.loss.policy {config.policy!r}")
+    return torch.where(mask, per_token, torch.zeros_like(per_token)), truncated, masked, mask & clipped
+
+
+def ce_token_loss(lp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Weighted cross-entropy (negative log-likelihood) of the target tokens: `l_t = -w_t * lp_t` on the mask."""
+    return torch.where(mask, -weights * lp, torch.zeros_like(lp))
+
+
+# -- aggregation -------------------------------------------------------------------------------------
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, count: int, tokens: float,
+              sequences: float, mode: str, norm_tokens: int | None = None) -> torch.Tensor:
+    """One channel's share of the step's loss: its token losses `l_t` (0 outside `mask`) over the step-wide
+    `tokens` (tokens in the mask) or `sequences` (sequences with a token in it), both at least 1.
+
+        token-mean               sum_t l_t / tokens                              (every token weighs the same)
+        seq-mean-token-mean      sum_i (sum_{t in i} l_t / n_i) / sequences      (n_i: sequence i's masked tokens)
+        seq-mean-token-sum       sum_i sum_{t in i} l_t / sequences
+        seq-mean-token-sum-norm  sum_i sum_{t in i} l_t / (sequences * norm_tokens)   (Dr. GRPO, arXiv 2503.20783)
+
+    Sequences are whole in a micro-batch, so each is summed here and only the divisors are step-wide.
+    """
+    if mode == "token-mean":
+        return per_token.sum() / max(float(tokens), 1.0)
+    per_seq = per_sequence(per_token, index, count)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / per_sequence(mask.to(per_token.dtype), index, count).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_tokens is None:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs norm_tokens")
+        per_seq = per_seq / norm_tokens
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown trainer.loss.aggregation {mode!r}")
+    return per_seq.sum() / max(float(sequences), 1.0)
+
+
+# -- metrics ----------------------------------------------------------------------------------------
 
 
 def mismatch_k3_kl_sum(lp: torch.Tensor, lp_inf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,14 +284,31 @@ def mismatch_abs_diff_sum(lp: torch.Tensor, lp_inf: torch.Tensor, mask: torch.Te
     return torch.where(mask, (lp.detach() - lp_inf).abs(), torch.zeros_like(lp_inf)).sum()
 
 
-def capped_count(
-    lp: torch.Tensor, lp_inf: torch.Tensor, mask: torch.Tensor, max_is_ratio: float | None
-) -> torch.Tensor:
-    """Tokens whose ratio exceeds the cap `C = max_is_ratio`: `#{t in mask: exp(lp_t - lp_inf_t) > C}` (0 if unset)."""
-    if max_is_ratio is None:
-        return lp.new_zeros(())
-    r = torch.exp(lp.detach() - lp_inf)
-    return (mask & (r > max_is_ratio)).sum().to(lp.dtype)
+def ratio_stats(lp: torch.Tensor, lp_inf: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, count: int,
+                tokens: float, sequences: float) -> dict[str, torch.Tensor]:
+    """The raw ratios before any cap, in float64: `r_t` over the rl tokens, the sequence's product
+    `exp(sum log_r)` and geometric mean `exp(mean log_r)` over the sequences with rl tokens. Means are this
+    micro-batch's share of the step's mean (additive); `_min` / `_max` are this micro-batch's (+inf / -inf
+    without rl tokens: the trainer reduces them with min / max)."""
+    log_r = torch.where(mask, lp.detach().double() - lp_inf.double(), 0.0)
+    n = per_sequence(mask.double(), index, count)
+    has = n > 0
+    seq_sum = per_sequence(log_r, index, count)
+    values = {
+        "token_ratio": (torch.exp(log_r), mask, tokens),
+        "seq_ratio": (torch.exp(seq_sum.clamp(max=700.0)), has, sequences),
+        "seq_geo_ratio": (torch.exp(seq_sum / n.clamp(min=1)), has, sequences),
+    }
+    stats = {}
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=lp.device)
+    for name, (x, where, scale) in values.items():
+        stats[f"mismatch/{name}_mean"] = torch.where(where, x, 0.0).sum() / max(float(scale), 1.0)
+        stats[f"mismatch/{name}_min"] = torch.where(where, x, inf).min() if len(x) else inf
+        stats[f"mismatch/{name}_max"] = torch.where(where, x, -inf).max() if len(x) else -inf
+    return stats
+
+
+# -- the loss of a micro-batch ----------------------------------------------------------------------------
 
 
 def compute_loss(
@@ -99,31 +317,47 @@ def compute_loss(
     channels: dict[str, Channel],
     scales: dict[str, float],
     config: LossConfig,
+    sequence_lengths: Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss = rl_sum / rl_scale + ce_sum / ce_scale` for one micro-batch, and its additive metrics.
+    """`loss = aggregate(rl token losses) + aggregate(ce token losses)` for one micro-batch, and its metrics.
 
     `channels` maps "rl" and "ce" to (values, mask); rl values are the advantages,
     ce values the token weights. `scales` maps the same names to the step-wide token
-    counts (clamped to at least 1 here). Every metric is this micro-batch's share of
-    a step-wide figure, so summing the metrics of all micro-batches (and ranks) gives
-    the step's value: per-channel losses and token counts; over rl tokens the mean
-    |lp - lp_inf|, the mean k3 mismatch KL and the fraction whose ratio exceeds
-    `max_is_ratio` (`mismatch/...`), and the fraction dropped by the trust region. Metrics are
-    detached 0-d tensors so a step can sum and all-reduce them without a sync each.
-    A micro-batch without masked tokens gives a zero loss still attached to `lp`, so
-    its backward runs (and yields zero gradients).
+    counts and "rl_sequences" / "ce_sequences" to the step-wide numbers of sequences with
+    a token of that channel (each clamped to at least 1; the sequence counts are needed by the
+    seq-mean aggregations only). `sequence_lengths` are the micro-batch's samples in order,
+    summing to its tokens (None: one sequence). `config.norm_tokens` must be resolved for
+    seq-mean-token-sum-norm (the trainer sets it from the run's sampling).
+
+    Every metric but the `_min` / `_max` ones is this micro-batch's share of a step-wide figure,
+    so summing them over micro-batches (and ranks) gives the step's value: per-channel losses
+    and token counts; over rl tokens the mean |lp - lp_inf|, the mean k3 mismatch KL, the
+    fractions the correction truncated (`mismatch/is_capped_fraction`) or masked
+    (`mismatch/masked_fraction`), the policy clipped (`clipped_fraction`) and the trust region
+    dropped; the raw ratios (`ratio_stats`). Metrics are detached 0-d tensors so a step can sum
+    and all-reduce them without a sync each. A micro-batch without masked tokens gives a zero
+    loss still attached to `lp`, so its backward runs (and yields zero gradients).
     """
     lp = lp.float()
     lp_inf = lp_inf.float()
     rl_values, rl_mask = channels["rl"]
     ce_values, ce_mask = channels["ce"]
-    rl_scale = max(float(scales["rl"]), 1.0)
-    ce_scale = max(float(scales["ce"]), 1.0)
+    rl_values, ce_values = rl_values.float(), ce_values.float()
+    index, count = sequence_index(sequence_lengths, len(lp), lp.device)
+    mode = config.aggregation_mode
+    rl_tokens, ce_tokens = float(scales["rl"]), float(scales["ce"])
+    rl_sequences, ce_sequences = float(scales.get("rl_sequences", 0)), float(scales.get("ce_sequences", 0))
+    if mode != "token-mean" and ("rl_sequences" not in scales or "ce_sequences" not in scales):
+        raise ValueError(f"aggregation {mode!r} needs the step-wide 'rl_sequences' and 'ce_sequences' in scales")
 
-    rl = rl_loss_sum(lp, lp_inf, rl_values.float(), rl_mask, config) / rl_scale
-    ce = ce_loss_sum(lp, ce_values.float(), ce_mask) / ce_scale
+    per_token, truncated, masked, clipped = rl_token_loss(lp, lp_inf, rl_values, rl_mask, index, count, config)
+    rl = aggregate(per_token, rl_mask, index, count, rl_tokens, rl_sequences, mode, config.norm_tokens)
+    ce = aggregate(ce_token_loss(lp, ce_values, ce_mask), ce_mask, index, count, ce_tokens, ce_sequences, mode,
+                   config.norm_tokens)
+    rl_scale = max(rl_tokens, 1.0)
     with torch.no_grad():
-        dropped = rl_mask & ~trust_region_keep(rl_values.float(), lp, lp_inf, config)
+        dropped = (rl_mask & ~trust_region_keep(rl_values, lp, lp_inf, config) if config.policy == "dppo"
+                   else torch.zeros_like(rl_mask))
         metrics = {
             "loss/rl": rl.detach(),
             "loss/ce": ce.detach(),
@@ -131,7 +365,10 @@ def compute_loss(
             "tokens/ce": ce_mask.sum().float(),
             "mismatch/mean_abs_logprob_diff": mismatch_abs_diff_sum(lp, lp_inf, rl_mask) / rl_scale,
             "mismatch/k3_kl": mismatch_k3_kl_sum(lp, lp_inf, rl_mask) / rl_scale,
-            "mismatch/is_capped_fraction": capped_count(lp, lp_inf, rl_mask, config.max_is_ratio) / rl_scale,
+            "mismatch/is_capped_fraction": truncated.sum().float() / rl_scale,
+            "mismatch/masked_fraction": masked.sum().float() / rl_scale,
+            "clipped_fraction": clipped.sum().float() / rl_scale,
             "trust_region_masked": dropped.sum().float() / rl_scale,
+            **ratio_stats(lp, lp_inf, rl_mask, index, count, rl_tokens, rl_sequences),
         }
     return rl + ce, metrics

@@ -17,6 +17,7 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from trace_rl.config import Config
+from trace_rl.config import Config, LossConfig
 from trace_rl.hub import resolve_model_path
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage, step_name
@@ -181,6 +182,32 @@ def token_logprobs(
     return lp, entropy
 
 
+def sequences_with(batch: MicroBatch, mask: np.ndarray) -> int:
+    """How many of the micro-batch's samples have a token in `mask`."""
+    return len(np.unique(batch.segment_ids[mask]))
+
+
+def combine(name: str, total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """Add a micro-batch's metric to the step's: a `_min` / `_max` metric keeps the extreme, the others add up."""
+    if total is None:
+        return value
+    if name.endswith("_min"):
+        return torch.minimum(total, value)
+    if name.endswith("_max"):
+        return torch.maximum(total, value)
+    return total + value
+
+
+def resolved_loss_config(config: Config) -> LossConfig:
+    """`[trainer.loss]` with `norm_tokens` set where seq-mean-token-sum-norm needs it and left it unset: the
+    largest `max_completion_tokens` of the run's sampling ([sampling] and every [env.sampling])."""
+    loss = config.trainer.loss
+    if loss.aggregation_mode != "seq-mean-token-sum-norm" or loss.norm_tokens is not None:
+        return loss
+    largest = max(config.sampling_for(env).max_completion_tokens for env in config.env)
+    return loss.model_copy(update={"norm_tokens": largest})
+
+
 def set_config_dtype(path: str, dtype: torch.dtype) -> None:
     """Make a saved config.json name the weights' dtype (`save_pretrained` writes the float32 module's)."""
     with open(path) as f:
@@ -260,6 +287,7 @@ class Trainer:
             weight_decay=t.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(t.warmup_steps))
+        self.loss_config = resolved_loss_config(config)
         self.step: int | None = None
         self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
 
@@ -306,6 +334,20 @@ class Trainer:
             dist.all_reduce(values)
         return values
 
+    def _all_reduce_metrics(self, names: list[str], totals: dict[str, torch.Tensor]) -> list[float]:
+        """Each metric over the ranks: summed, but a `_min` / `_max` one reduced by its extreme (0 where no rank
+        saw a value: no rl token in the step)."""
+        sign = torch.tensor([-1.0 if n.endswith("_min") else 1.0 for n in names], dtype=torch.float64,
+                            device=self.device)
+        extreme = torch.tensor([n.endswith(("_min", "_max")) for n in names], device=self.device)
+        values = torch.stack([totals[n] for n in names])
+        summed = self._all_reduce(torch.where(extreme, 0.0, values))
+        largest = torch.where(extreme, values * sign, -math.inf)
+        if self.distributed:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        reduced = torch.where(extreme, largest * sign, summed)
+        return torch.where(torch.isinf(reduced) & extreme, 0.0, reduced).tolist()
+
     # -- training ---------------------------------------------------------------------
     def train_step(self, step: int, samples: list[TrainingSample]) -> dict[str, float]:
         """Pack the samples, accumulate the gradient over this rank's micro-batches, clip, and step."""
@@ -314,12 +356,13 @@ class Trainer:
         mine = assign_to_ranks(micro_batches, self.world_size)[self.rank]
         counts = self._all_reduce(
             torch.tensor(
-                [[b.rl_mask.sum(), b.ce_mask.sum(), (b.rl_mask | b.ce_mask).sum()] for b in mine],
+                [[b.rl_mask.sum(), b.ce_mask.sum(), (b.rl_mask | b.ce_mask).sum(), sequences_with(b, b.rl_mask),
+                  sequences_with(b, b.ce_mask)] for b in mine],
                 dtype=torch.float64, device=self.device,
             ).sum(0)
         )
-        rl_tokens, ce_tokens, loss_tokens = counts.tolist()
-        scales = {"rl": rl_tokens, "ce": ce_tokens}
+        rl_tokens, ce_tokens, loss_tokens, rl_sequences, ce_sequences = counts.tolist()
+        scales = {"rl": rl_tokens, "ce": ce_tokens, "rl_sequences": rl_sequences, "ce_sequences": ce_sequences}
 
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
@@ -332,7 +375,7 @@ class Trainer:
                 loss, metrics = compute_loss(
                     lp, on_device["inference_logprobs"],
                     {loss: (on_device[f"{loss}_values"], on_device[f"{loss}_mask"]) for loss in LOSS_NAMES},
-                    scales, self.config.trainer.loss,
+                    scales, self.loss_config, sequence_lengths=np.bincount(batch.segment_ids).tolist(),
                 )
                 # DDP and FSDP average gradients over ranks; the scales already sum over ranks
                 (loss * self.world_size).backward()
@@ -340,9 +383,9 @@ class Trainer:
             loss_mask = on_device["rl_mask"] | on_device["ce_mask"]
             metrics["entropy"] = (entropy * loss_mask).sum() / max(loss_tokens, 1.0)
             for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + value.double()
+                totals[name] = combine(name, totals.get(name), value.double())
         names = sorted(totals)
-        reduced = self._all_reduce(torch.stack([totals[n] for n in names])).tolist()
+        reduced = self._all_reduce_metrics(names, totals)
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):

@@ -1,0 +1,57 @@
+"""[trainer.loss] variants through the trainer: a step's loss does not depend on packing or the number of ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer.conftest import make_batch, storage_for
+from trace_rl.tables import write_batch
+from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.trainer import Trainer, resolved_loss_config
+
+VARIANTS = [
+    {"aggregation": "seq-mean-token-mean"},
+    {"policy": "ppo", "clip_c": 3.0, "aggregation": "seq-mean-token-sum"},
+    {"policy": "reinforce", "aggregation": "seq-mean-token-sum-norm",
+     "correction": {"level": "sequence", "mode": "mask", "low": 0.05, "high": 20.0}},
+]
+
+
+@pytest.mark.parametrize("loss", VARIANTS)
+def test_one_or_several_micro_batches_give_the_same_step(make_config, loss):
+    one = make_config("one", micro_batch_tokens=4096, loss=loss)
+    several = make_config("several", micro_batch_tokens=48, loss=loss)
+    a = Trainer(one, storage_for(one)).train_step(0, make_batch(7))
+    b = Trainer(several, storage_for(several)).train_step(0, make_batch(7))
+    assert a["micro_batches"] == 1 and b["micro_batches"] >= 3
+    for name in ("loss", "loss/rl", "loss/ce", "grad_norm", "mismatch/token_ratio_mean", "mismatch/seq_ratio_max"):
+        assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-7), name
+
+
+def test_another_policy_trains_differently_on_the_same_batch(make_config):
+    steps = {policy: Trainer(c, storage_for(c)).train_step(0, make_batch(7))
+             for policy in ("dppo", "cispo") for c in [make_config(policy, loss={"policy": policy})]}
+    assert steps["dppo"]["grad_norm"] != pytest.approx(steps["cispo"]["grad_norm"], rel=1e-3)
+    assert steps["dppo"]["trust_region_masked"] >= 0 and steps["cispo"]["trust_region_masked"] == 0.0
+
+
+def test_norm_tokens_defaults_to_the_largest_max_completion_tokens(make_config):
+    config = make_config(loss={"aggregation": "seq-mean-token-sum-norm"})
+    config.sampling.max_completion_tokens = 32
+    assert resolved_loss_config(config).norm_tokens == 32
+    assert config.trainer.loss.norm_tokens is None  # the run's config is left as written
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process_for_a_sequence_aggregation(make_config):
+    loss = VARIANTS[1]
+    single = make_config("single", micro_batch_tokens=48, loss=loss)
+    store1 = storage_for(single)
+    write_batch(store1, 0, make_batch(100))
+    expected = train_one_step(single, store1, 0)
+    double = make_config("double", micro_batch_tokens=48, num_processes=2, loss=loss)
+    store2 = storage_for(double)
+    write_batch(store2, 0, make_batch(100))
+    metrics = train_one_step(double, store2, 0)
+    for name in ("loss", "grad_norm", "mismatch/token_ratio_min", "mismatch/seq_ratio_max", "clipped_fraction"):
+        assert metrics[f"{name}"] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
