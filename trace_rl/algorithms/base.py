@@ -59,6 +59,10 @@ class Algorithm:
     # True when a trace's annotations depend on that trace alone: the runner then hands `advantage` every
     # group in one call (one vectorized pass instead of one per group)
     per_trace: ClassVar[bool] = False
+    # True when an annotation depends on the whole step (batch-level statistics: grpo's scale = "batch",
+    # reinforce_pp): the runner then hands `advantage` every group of the step in one call; it may be a
+    # property of the options. On an env server, see docs/algorithms.md
+    whole_step: ClassVar[bool] = False
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trace_rl.algorithms.base import REGISTRY, Algorithm, AlgorithmError, NoOptions, register
-from trace_rl.algorithms.signal import ok_traces, set_on_sampled
-from trace_rl.trace import Trace
+from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
+from trace_rl.trace import Trace, group_traces
 
 
 def set_trace_advantages(traces: list[Trace], advantages: np.ndarray) -> None:
@@ -25,6 +25,37 @@ def group_relative(rewards: np.ndarray, std_normalize: bool) -> np.ndarray:
     """
     centered = rewards - rewards.mean()
     return centered / (rewards.std() + 1e-6) if std_normalize else centered
+
+
+def leave_one_out(rewards: np.ndarray) -> np.ndarray:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740): A_i = r_i - mean_{j != i} r_j.
+
+    The same as `G / (G - 1) * (r_i - mean(r))` for a group of G; a group of one gives 0.
+    """
+    if len(rewards) < 2:
+        return np.zeros_like(rewards)
+    return rewards - (rewards.sum() - rewards) / (len(rewards) - 1)
+
+
+def whitened(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """`(x - mean) / sqrt(var + 1e-8)` with each value counted `weights` times (its rl tokens), var unbiased:
+    verl's `masked_whiten` over the step's tokens. Fewer than 2 tokens: only centred."""
+    n = weights.sum()
+    if n == 0:
+        return np.zeros_like(values)
+    mean = (weights * values).sum() / n
+    if n < 2:
+        return values - mean
+    var = (weights * (values - mean) ** 2).sum() / (n - 1)
+    return (values - mean) / np.sqrt(var + 1e-8)
+
+
+def overlong_penalty(length: np.ndarray, max_tokens: int, buffer: int) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), per trace of L sampled tokens:
+
+        0 if L <= max_tokens - buffer;  ((max_tokens - buffer) - L) / buffer within the buffer;  -1 beyond max_tokens
+    """
+    return np.clip(((max_tokens - buffer) - length) / buffer, -1.0, 0.0)
 
 
 def max_likelihood_normalized(rewards: np.ndarray) -> np.ndarray:
@@ -45,27 +76,122 @@ class GroupBaseline(Algorithm):
                 if env.group_size == 1 and any(a.id in ids for a in run_config.algorithms_for(env))]
 
 
-class GRPOOptions(BaseModel):
+class Overlong(BaseModel):
+    """DAPO's overlong reward shaping: `r += factor * overlong_penalty(L, max_tokens, buffer)`."""
+
     model_config = ConfigDict(extra="forbid")
-    std_normalize: bool = False
+    max_tokens: int = Field(..., gt=0, description="L_max: the length (sampled tokens of the trace) punished by -1")
+    buffer: int = Field(..., gt=0, description="L_buf: the penalty grows linearly over the last `buffer` tokens")
+    factor: float = Field(1.0, ge=0, description="the weight of the penalty")
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> Overlong:
+        if self.buffer > self.max_tokens:
+            raise ValueError(f"overlong.buffer = {self.buffer} exceeds overlong.max_tokens = {self.max_tokens}")
+        return self
+
+
+class RewardOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    overlong: Overlong | None = None
+
+
+def sampled_tokens(trace: Trace) -> int:
+    """L: the tokens the actor sampled in the trace (all its branches; token 0 never counts)."""
+    return int(sum(sampled_mask(branch).sum() for branch in trace.branches))
+
+
+def shaped_rewards(traces: list[Trace], options: RewardOptions) -> np.ndarray:
+    """The traces' rewards, plus DAPO's overlong penalty when `overlong` is set."""
+    rewards = np.array([t.reward for t in traces], np.float64)
+    if options.overlong is not None:
+        o = options.overlong
+        lengths = np.array([sampled_tokens(t) for t in traces], np.float64)
+        rewards = rewards + o.factor * overlong_penalty(lengths, o.max_tokens, o.buffer)
+    return rewards
+
+
+class GRPOOptions(RewardOptions):
+    std_normalize: bool | None = None
+    scale: Literal["group", "batch", "none"] | None = None
+
+    @model_validator(mode="after")
+    def _one_scale(self) -> GRPOOptions:
+        if self.std_normalize is not None and self.scale is not None:
+            raise ValueError("std_normalize is the older spelling of scale (true: 'group', false: 'none'); set "
+                             "only scale")
+        return self
+
+    @property
+    def scale_mode(self) -> str:
+        if self.scale is not None:
+            return self.scale
+        return "group" if self.std_normalize else "none"
 
 
 @register("grpo")
 class GRPO(GroupBaseline):
-    """A_i = r_i - mean_group(r) on trace i's sampled tokens (`std_normalize`: divided by std + 1e-6).
+    """A_i = (r_i - mean_group(r)) / scale on trace i's sampled tokens.
 
-    The mean is over the group's ok traces only: errored and untrainable traces get no
-    signal and do not shift the baseline.
+    `scale`: `none` (the default; Dr. GRPO, arXiv 2503.20783) divides by 1; `group` by the group's
+    std + 1e-6 (GRPO, arXiv 2402.03300; `std_normalize = true`); `batch` by the std of the whole
+    step's rewards + 1e-6 (Liu et al. 2025, arXiv 2508.08221). The mean and stds are over ok
+    traces only: errored and untrainable traces get no signal and do not shift them.
     """
 
     loss = "rl"
     Options = GRPOOptions
 
+    @property
+    def whole_step(self) -> bool:
+        return self.options.scale_mode == "batch"
+
+    async def advantage(self, traces: list[Trace]) -> None:
+        traces = ok_traces(traces)
+        if not traces:
+            return
+        mode = self.options.scale_mode
+        if mode != "batch":
+            set_trace_advantages(traces, group_relative(shaped_rewards(traces, self.options), mode == "group"))
+            return
+        std = shaped_rewards(traces, self.options).std()
+        for group in group_traces(traces).values():
+            rewards = shaped_rewards(group, self.options)
+            set_trace_advantages(group, (rewards - rewards.mean()) / (std + 1e-6))
+
+
+@register("rloo")
+class RLOO(GroupBaseline):
+    """A_i = r_i - mean_{j != i} r_j over the group's ok traces (`leave_one_out`)."""
+
+    loss = "rl"
+    Options = RewardOptions
+
     async def advantage(self, traces: list[Trace]) -> None:
         traces = ok_traces(traces)
         if traces:
-            rewards = np.array([t.reward for t in traces], np.float64)
-            set_trace_advantages(traces, group_relative(rewards, self.options.std_normalize))
+            set_trace_advantages(traces, leave_one_out(shaped_rewards(traces, self.options)))
+
+
+@register("reinforce_pp")
+class ReinforcePlusPlus(GroupBaseline):
+    """REINFORCE++ with the group-mean baseline (Hu 2025, arXiv 2501.03262; verl's reinforce_plus_plus_baseline):
+    A_i = r_i - mean_group(r), then whitened over the step's rl tokens (`whitened`, each trace counted once
+    per sampled token). It needs the whole step (`whole_step`)."""
+
+    loss = "rl"
+    Options = RewardOptions
+    whole_step = True
+
+    async def advantage(self, traces: list[Trace]) -> None:
+        traces = ok_traces(traces)
+        if not traces:
+            return
+        ordered = [t for group in group_traces(traces).values() for t in group]
+        centred = np.concatenate([group_relative(shaped_rewards(g, self.options), False)
+                                  for g in group_traces(traces).values()])
+        tokens = np.array([sampled_tokens(t) for t in ordered], np.float64)
+        set_trace_advantages(ordered, whitened(centred, tokens))
 
 
 @register("max_rl")
@@ -96,8 +222,8 @@ class REINFORCE(Algorithm):
     """Plain REINFORCE (Williams 1992): A_i = r_i on trace i's sampled tokens."""
 
     loss = "rl"
-    Options = NoOptions
+    Options = RewardOptions
 
     async def advantage(self, traces: list[Trace]) -> None:
         traces = ok_traces(traces)
-        set_trace_advantages(traces, np.array([t.reward for t in traces], np.float64))
+        set_trace_advantages(traces, shaped_rewards(traces, self.options))

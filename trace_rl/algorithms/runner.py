@@ -54,10 +54,10 @@ async def run_on_group(algorithm: Algorithm, group: list[Trace]) -> list[Channel
 
 
 async def run_algorithm(algorithm: Algorithm, traces: list[Trace]) -> list[Channel]:
-    """Run `algorithm` on every group of `traces` (groups concurrently, or all in one call for a `per_trace`
-    algorithm) and return its channels, group by group."""
+    """Run `algorithm` on every group of `traces` (groups concurrently, or all in one call for a `per_trace` or
+    `whole_step` algorithm) and return its channels, group by group."""
     groups = group_traces(traces).values()
-    if algorithm.per_trace:
+    if algorithm.per_trace or algorithm.whole_step:
         return await run_on_group(algorithm, [trace for group in groups for trace in group])
     per_group = await gather_or_cancel(run_on_group(algorithm, group) for group in groups)
     return [channel for channels in per_group for channel in channels]
