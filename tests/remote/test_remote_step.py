@@ -1,5 +1,5 @@
-"""Training steps whose algorithm runs on a real env server: its values land in the batch exactly, and a
-step that failed while the server was down completes on resume once it is back."""
+"""Training steps whose algorithm runs on a real env server: its values land in the batch exactly, and a run
+whose server is down is refused before step 1, then runs once the server is up."""
 
 from __future__ import annotations
 
@@ -53,23 +53,22 @@ def test_a_training_step_trains_on_the_env_servers_channel_values(prefect_api, t
     assert run["tasks"] == [(name, "Completed") for name in STAGES]
 
 
-def test_a_step_failing_while_the_server_is_down_completes_on_resume(prefect_api, tmp_path, token_file, token):
+def test_a_run_whose_server_is_down_is_refused_before_step_1_and_runs_once_it_is_up(prefect_api, tmp_path,
+                                                                                    token_file, token):
+    """A server down at the start is refused before any step (docs/pipeline.md); one that dies inside a step fails
+    that step, which the resume completes: tests/faults/test_env_server_killed.py."""
     from flows.train import run_training
+    from trace_rl.errors import RefusedError
 
     port = free_port()
-    config = remote_config(str(tmp_path), "remote-resume", f"http://127.0.0.1:{port}",
-                           max_retries=1, retry_backoff_s=0.05)
+    config = remote_config(str(tmp_path), "remote-down", f"http://127.0.0.1:{port}")
     storage = RunStorage(config.storage, config.name)
-    with pytest.raises(Exception, match=f"env server http://127.0.0.1:{port}: algorithm 'position_signal'.*"
-                                        "failed after 2 attempts"):
+    with pytest.raises(RefusedError, match=f"env.0.server = 'http://127.0.0.1:{port}' does not answer"):
         run_training(config)
-    assert not storage.exists(storage.step_path(1, "batch.parquet"))
-    assert storage.stable_steps("weights") == []
+    assert not storage.exists(storage.step_path(1, "traces.parquet")) and step_runs(prefect_api, "remote-down") == []
 
     with env_server("--token-file", str(token_file), port=port):
-        run_training(config, resume=True)
+        run_training(config)
     assert_batch_holds_the_remote_values(config)
-    failed, resumed = step_runs(prefect_api, "remote-resume")
-    assert failed["state"]["name"] == "Failed" and dict(failed["tasks"])["position_signal"] == "Failed"
-    assert resumed["tasks"] == [("sample_rollouts", "Cached")] + [(name, "Completed") for name in STAGES[1:]]
-    assert storage.stable_steps("weights") == [1]
+    [run] = step_runs(prefect_api, "remote-down")
+    assert run["tasks"] == [(name, "Completed") for name in STAGES]
