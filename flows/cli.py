@@ -97,9 +97,10 @@ def cmd_train(args) -> int:
 
 def cmd_trainer_node(args) -> int:
     """Node K of a run with `trainer.nnodes > 1`: its workers join every session node 0 starts, until the run ends."""
-    from trace_rl.trainer.nodes import serve_node
+    from trace_rl.trainer.nodes import check_node, serve_node
 
     config = load_config(args.config, args.overrides)
+    check_node(config, args.node_rank)  # refused in one line before anything starts
     reaper.start()
     serve_node(config, args.node_rank, say=lambda line: print(line, file=sys.stderr))
     return 0
