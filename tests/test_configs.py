@@ -84,8 +84,23 @@ def test_prefect_yaml_declares_the_deployments_serve_serves(monkeypatch):
     monkeypatch.setattr(flows.serve, "serve", lambda *deployments: served.extend(deployments))
     flows.serve.serve_config(load_config(ROOT / "configs" / "demo.toml"))
     declared = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
-    assert sorted(d["entrypoint"] for d in declared) == sorted(d.entrypoint for d in served) == [
+    nodes = "flows/node.py:trainer_node"  # node K of a multi-node trainer (docs/scaling.md): no `serve` counterpart
+    assert sorted({d["entrypoint"] for d in declared} - {nodes}) == sorted(d.entrypoint for d in served) == [
         "flows/eval.py:evaluate", "flows/replay.py:replay", "flows/train.py:train"]
     for deployment in declared:
         if deployment.get("parameters"):
             load_flow_from_entrypoint(deployment["entrypoint"]).validate_parameters(deployment["parameters"])
+
+
+def test_prefect_yaml_two_node_deployments_share_one_config():
+    """docs/scaling.md: the trainer-node deployment serves the run of the two-node train deployment (same config)."""
+    import yaml
+
+    from trace_rl.loading import validate_config
+
+    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    train, node = deployments["demo-2-nodes"], deployments["demo-2-nodes-1"]
+    assert (train["entrypoint"], node["entrypoint"]) == ("flows/train.py:train", "flows/node.py:trainer_node")
+    config = validate_config(train["parameters"]["config"])
+    assert config.trainer.nnodes == 2 and node["parameters"]["node_rank"] == 1
+    assert validate_config(node["parameters"]["config"]) == config
