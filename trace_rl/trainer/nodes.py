@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +48,7 @@ from trace_rl.storage import RunStorage
 POLL_S = 0.02  # a local directory (one node) or a run on a local or shared file system
 REMOTE_POLL_S = 0.25  # object storage: every poll is a request
 END_GRACE_S = 10.0  # a node's workers may finish the stop command this long after node 0 ended the session
+STOP_TIMEOUT_S = 30.0  # then torchrun gets this long to stop them before everything is SIGKILLed
 NODES = "nodes"
 SESSION = "session.json"
 
@@ -217,6 +219,7 @@ class NodeWatch:
 
 
 def heartbeat_interval(config: Config) -> float:
+    """How often a node beats (and watchers look): five beats per `trainer.node_timeout_s`."""
     return max(0.2, config.trainer.node_timeout_s / 5)
 
 
@@ -341,8 +344,6 @@ def serve_node(config: Config, node_rank: int, say: Callable[[str], None] = lamb
                 say(f"node {node_rank}: the run has trained all {session.info['steps']} steps")
                 return
     finally:
-        import shutil
-
         shutil.rmtree(private, ignore_errors=True)
 
 
@@ -380,8 +381,6 @@ def run_session(session: NodeSession, config: Config, node_rank: int, config_pat
         heartbeat.stop()
     return process.returncode
 
-
-STOP_TIMEOUT_S = 30.0
 
 
 def own_ranks(session: NodeSession, node_rank: int) -> list[tuple[int, int]]:

@@ -37,7 +37,6 @@ import threading
 import time
 from typing import Any, Self
 
-from trace_rl import processes
 from trace_rl.config import Config
 from trace_rl.errors import RefusedError
 from trace_rl.storage import RunStorage, step_name
@@ -186,7 +185,7 @@ class TrainerWorkers:
                                f"workers from the latest checkpoint (restart `trace-rl trainer-node` there if it "
                                f"died):\n{self._failure()}")
         if deadline is not None and time.monotonic() > deadline:
-            missing = self.watch.missing() or [node for node in self.watch.nodes]
+            missing = self.watch.missing() or list(self.watch.nodes)  # joined, but their workers are not ready
             nodes = ", ".join(str(node) for node in missing)
             self._kill()
             raise TrainerError(
