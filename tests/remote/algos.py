@@ -91,3 +91,19 @@ class OneShort(Algorithm):
                 branch.advantages = np.ones(len(branch), np.float32)
         broken = traces[1].branches[0]
         broken.advantages = broken.advantages[:-1]
+
+
+@register("step_centred")
+class StepCentred(Algorithm):
+    """A_i = r_i - mean of the rewards of every ok trace in the call: a batch-level statistic (`whole_step`)."""
+
+    loss = "rl"
+    whole_step = True
+
+    async def advantage(self, traces):
+        ok = [trace for trace in traces if trace.ok]
+        mean = float(np.mean([trace.reward for trace in ok])) if ok else 0.0
+        for trace in ok:
+            for branch in trace.branches:
+                branch.mask = sampled_mask(branch)
+                branch.advantages = branch.mask * np.float32(trace.reward - mean)

@@ -47,7 +47,22 @@ def test_health_lists_what_the_module_registered(server):
     health = get_health(server)
     assert health.status_code == 200
     assert health.json() == {"version": 1, "envs": ["remote-reverse-text"],
-                             "algorithms": ["one_short", "position_signal", "remote_opd", "slow_once"]}
+                             "algorithms": ["one_short", "position_signal", "remote_opd", "slow_once", "step_centred"]}
+
+
+def test_a_whole_step_algorithm_gets_every_group_in_one_request(server, token):
+    # three groups; the mean over the whole step's ok rewards (1, 0, 2, 5) is 2: split per group it would be 0
+    traces = [reward_trace("a", 1.0, group="g0"), reward_trace("b", 0.0, group="g1"),
+              reward_trace("c", 2.0, group="g1"), reward_trace("d", 5.0, group="g2"),
+              reward_trace("x", 9.0, group="g2", trainable=False)]
+    expected = {"a": -1.0, "b": -2.0, "c": 0.0, "d": 3.0}
+    channels = run(run_remote_algorithm(server, "step_centred", traces, {}, FAST))
+    assert {c.trace_id: float(c.values[-1]) for c in channels} == expected
+    # one group alone is refused (409): the server would compute a per-group mean; the client then resends the step
+    body = RunRequest(algorithms=[AlgorithmConfig(id="step_centred")], traces=[]).model_dump_json()
+    reply = httpx.post(f"{server}/run_algorithms", content=body, headers={**auth(), "Content-Type": "application/json"},
+                       timeout=10)
+    assert reply.status_code == 409 and "needs the whole step in one request" in reply.json()["error"]
 
 
 def test_channels_come_back_exactly_as_the_algorithm_set_them(server, token):

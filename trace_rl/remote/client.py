@@ -38,6 +38,10 @@ class Retryable(Exception):
     """A failure a later attempt may not hit."""
 
 
+class NeedsWholeStep(Exception):
+    """The server answered 409: the algorithm needs every group of the step in one request."""
+
+
 def remote_server_for(env: EnvConfig, algorithm: AlgorithmConfig) -> str | None:
     """The env's server URL when `algorithm` is neither builtin nor importable here, else None (run it locally)."""
     if env.server is None or resolve_algorithm_class(algorithm.id) is not None:
@@ -66,7 +70,14 @@ async def run_remote_algorithm(
             async with limit:
                 return (await run_group(client, server_url, [config], group, runtime_configs, options))[0]
 
-        per_group = await gather_or_cancel(one_group(group) for group in group_traces(traces).values())
+        groups = list(group_traces(traces).values())
+        try:
+            per_group = await gather_or_cancel(one_group(group) for group in groups)
+        except NeedsWholeStep:
+            # the algorithm needs batch-level statistics (Algorithm.whole_step): every group in one request
+            ordered = [trace for group in groups for trace in group]
+            return (await run_group(client, server_url, [config], ordered, runtime_configs, options,
+                                    whole_step=True))[0]
     return [channel for channels in per_group for channel in channels]
 
 
@@ -77,17 +88,22 @@ async def run_group(
     group: list[Trace],
     runtime_configs: Mapping[str, RuntimeConfig],
     options: RemoteConfig,
+    whole_step: bool = False,
 ) -> list[list[Channel]]:
-    """One run_algorithms call with retries: per algorithm (in order), its validated channels on `group`."""
-    body = RunRequest(algorithms=list(configs), models=dict(runtime_configs),
+    """One run_algorithms call with retries: per algorithm (in order), its validated channels on `group` (or, with
+    `whole_step`, on every group of the step)."""
+    body = RunRequest(algorithms=list(configs), models=dict(runtime_configs), whole_step=whole_step,
                       traces=[WireTrace.of(trace) for trace in group]).model_dump_json()
     url = server_url.rstrip("/") + "/run_algorithms"
     source = f"env server {server_url}"
-    what = f"algorithm {', '.join(repr(c.id) for c in configs)} on group {group[0].group_id!r}"
+    what = (f"algorithm {', '.join(repr(c.id) for c in configs)} on "
+            + (f"the whole step ({len(group)} traces)" if whole_step else f"group {group[0].group_id!r}"))
     attempts = options.max_retries + 1
     for attempt in range(attempts):
         try:
             response = await client.post(url, content=body, headers={"Content-Type": "application/json"})
+            if response.status_code == 409 and not whole_step:
+                raise NeedsWholeStep(error_message(response))
             if response.status_code == 429 or response.status_code >= 500:
                 raise Retryable(f"HTTP {response.status_code}: {error_message(response)}")
             if response.status_code != 200:

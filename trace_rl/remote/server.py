@@ -278,9 +278,16 @@ def create_app(allowed: Allowed, limits: Limits = Limits(), tokens: frozenset[st
                                    f"{exc}") from None
         try:
             algorithms = await load_algorithms(request.algorithms, Runtimes(request.models, runtimes))
+            for algorithm in algorithms:
+                if algorithm.whole_step and not request.whole_step:
+                    raise Refused(409, f"algorithm {algorithm.id!r} needs the whole step in one request "
+                                       "(whole_step = true), got one group; the trainer then resends every group "
+                                       "of the step at once")
             channels = await run_algorithms(algorithms, traces)
         except AlgorithmError as exc:
             raise Refused(422, str(exc)) from None
+        except Refused:
+            raise
         except Exception as exc:
             log.exception("run_algorithms failed")
             ids = ", ".join(repr(config.id) for config in request.algorithms)

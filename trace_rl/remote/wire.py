@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from trace_rl.algorithms.base import AlgorithmConfig, Channel
@@ -99,6 +99,16 @@ class RunRequest(Wire):
     algorithms: list[AlgorithmConfig]
     models: dict[str, RuntimeConfig] = {}
     traces: list[WireTrace]
+    # the traces are every group of the step, not one group (sent only when true: then a server older than
+    # this field refuses the request instead of reading it as one group's)
+    whole_step: bool = False
+
+    @model_serializer(mode="wrap")
+    def _whole_step_only_when_true(self, handler):
+        data = handler(self)
+        if not self.whole_step:
+            data.pop("whole_step", None)  # the body of one group stays what every protocol-1 server reads
+        return data
 
     @model_validator(mode="before")
     @classmethod
