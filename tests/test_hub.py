@@ -85,7 +85,7 @@ def test_online_a_missing_id_is_no_config_error_and_a_malformed_name_always_is(m
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert load_config(DEMO, [f"model.name={MISSING}"]).model.name == MISSING  # downloaded when the run starts
     with pytest.raises(ConfigError, match=r"model.name: '/no/such/dir' is neither 'tiny', an existing local "
-                                          r"directory, nor a Hugging Face id"):
+                                          r"directory, a .gguf file, nor a Hugging Face id"):
         load_config(DEMO, ["model.name=/no/such/dir"])
 
 

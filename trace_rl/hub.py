@@ -3,6 +3,8 @@
 A model `name` is one of:
 
 - `tiny` / `tiny:<seed>`: built offline into `$TRACE_RL_CACHE` (see `trace_rl.tiny`);
+- a GGUF checkpoint: a local `.gguf` file or a builtin name (`smollm2-135m`), converted once into a cached
+  Hugging Face folder in `$TRACE_RL_CACHE` (see `trace_rl.gguf`);
 - an existing local directory: used as it is (`revision` is ignored);
 - a Hugging Face Hub id (`org/name`): the snapshot directory of `revision` (default `main`) in
   the Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`).
@@ -21,6 +23,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trace_rl.gguf import GGUFError, convert_gguf, existing_converted_dir, gguf_problem, is_gguf_name
 from trace_rl.tiny import build_tiny, parse_tiny
 
 if TYPE_CHECKING:
@@ -61,13 +64,19 @@ def download_hint(name: str, revision: str | None) -> str:
 def resolve_model_path(name: str, revision: str | None = None) -> str:
     """A local directory holding the model `name` (at `revision`, for a Hub id); see the module docstring.
 
-    Raises ModelNotFoundError, naming the id, the revision and the fix, when a Hub id cannot be resolved.
+    Raises ModelNotFoundError, naming the id, the revision and the fix, when a Hub id cannot be resolved, and
+    naming the file and the fix when a GGUF file cannot be converted.
     """
     seed = parse_tiny(name)
     if seed is not None:
         return str(build_tiny(seed))
     if os.path.isdir(name):
         return name
+    if is_gguf_name(name):
+        try:
+            return str(convert_gguf(name))
+        except GGUFError as exc:
+            raise ModelNotFoundError(str(exc)) from None
     return _snapshot(name, revision or "main", str(hub_cache()), hub_offline())
 
 
@@ -110,11 +119,14 @@ def _snapshot(repo_id: str, revision: str, cache: str, offline: bool) -> str:
 
 def local_model_dir(name: str, revision: str | None = None) -> Path | None:
     """The directory of a model already on disk (a local directory, or a Hub id in the cache), without
-    downloading or building anything; None otherwise (and for `tiny`)."""
+    downloading or building anything; None otherwise (and for `tiny`). A GGUF file's is its converted folder,
+    once converted."""
     if parse_tiny(name) is not None:
         return None
     if os.path.isdir(name):
         return Path(name)
+    if is_gguf_name(name):
+        return existing_converted_dir(name)
     try:
         return Path(_snapshot(name, revision or "main", str(hub_cache()), True))
     except (ModelNotFoundError, ValueError):
@@ -129,13 +141,15 @@ def hub_problem(name: str, revision: str | None = None) -> str | None:
     """
     if parse_tiny(name) is not None or os.path.isdir(name):
         return None
+    if is_gguf_name(name):
+        return gguf_problem(name)
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(name)
     except HFValidationError:
-        return (f"{name!r} is neither 'tiny', an existing local directory, nor a Hugging Face id like "
+        return (f"{name!r} is neither 'tiny', an existing local directory, a .gguf file, nor a Hugging Face id like "
                 "'Qwen/Qwen2.5-0.5B-Instruct'; fix the path or the id")
     if not hub_offline():
         return None

@@ -10,6 +10,9 @@ nothing is wrong with a run:
   the embedding that was loaded, and trace-rl's worker extension re-packs it (vllm_worker.py). For a
   model without tied embeddings `lm_head.weight` is required by the weight check before any reload,
   so this warning cannot hide a missing output layer;
+- `Attempted to load weight ... with dtype torch.float32 into parameter with dtype torch.bfloat16` (or
+  float16), once per tensor on every load of a float32 checkpoint (the tiny models, a converted GGUF) into an
+  engine of `model.dtype` bfloat16/float16: the weight loader casts each tensor to that dtype, as asked;
 - notes about the CPU platform and about settings trace-rl chose on purpose: Triton is missing,
   the V1 model runner, eager mode, chunked prefill off (vllm_engine.py says why), LD_PRELOAD hints.
 
@@ -29,6 +32,7 @@ VERBOSE_ENV = "TRACE_RL_VERBOSE"
 FILTER = "trace_rl_known_harmless"
 KNOWN_HARMLESS = re.compile(
     r"^(RotaryEmbedding|ParallelLMHead): Failed to load weights$"
+    r"|^Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype torch\.(bfloat16|float16)$"
     r"|^Triton is installed, but doesn't include CPU backend"
     r"|^Triton is not installed\. triton-cpu is expected"
     r"|^Model Runner V2 requires Triton"
