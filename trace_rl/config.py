@@ -82,7 +82,8 @@ class LoraConfig(Strict):
 class ModelConfig(Strict):
     """The trained model (`[model]`); at run time its key is `policy`."""
 
-    name: str = Field("tiny", description="HF id, local directory, or 'tiny' (built offline, see docs/models.md)")
+    name: str = Field("tiny", description="HF id, local directory, 'tiny' (built offline), a .gguf file or "
+                      "'smollm2-135m' (converted once); see docs/models.md")
     revision: str | None = Field(
         None, description="for an HF id: branch, tag or commit hash of the snapshot every process loads "
         "(default 'main'; a commit hash pins it); ignored for 'tiny' and local directories")
