@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Literal
 
 from trace_rl.config import Config, config_to_toml
@@ -23,6 +24,8 @@ class RunExistsError(RefusedError):
 def first_unfinished_step(storage: RunStorage) -> int:
     """The step to run next: after the latest checkpoint, or that step itself if the process died before
     its weights were exported (the step's finished stages are reused and `train` exports them)."""
+    if (checkpoint := sys.modules.get("trace_rl.trainer.checkpoint")) is not None:
+        checkpoint.WRITER.join()  # a checkpoint this process still writes in the background counts
     last = storage.latest_stable("checkpoints")
     if last is None:
         return 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -31,6 +33,7 @@ def train_steps(config, steps: range, trainer=None):
         if not store.exists(store.step_path(step, "batch.parquet")):
             write_batch(store, step, make_batch(100 + step))
         train_one_step(config, store, step, trainer, extra_state={"step": step})
+    checkpoint.WRITER.wait()  # the checkpoints of steps before the run's last are written in the background
     return store
 
 
@@ -106,6 +109,66 @@ def test_a_rerun_removes_the_weights_of_the_steps_it_has_not_reached_yet(make_co
     config.ckpt.keep_weights_every = 0
     checkpoint.prune(store, 6, config)
     assert store.stable_steps("weights") == [5, 6] and store.stable_steps("checkpoints") == [5]
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_training_goes_on(make_config):
+    config = make_config("background")
+    store = storage_for(config)
+    trainer = Trainer(config, store)
+    trainer.train_step(1, make_batch(101))
+    at_step_1 = {name: p.detach().clone() for name, p in trainer.module.named_parameters()}
+    moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    directory = trainer.save_checkpoint(1, {"step": 1}, background=True)
+    trainer.train_step(2, make_batch(102))  # changes the parameters and AdamW moments in place
+    checkpoint.WRITER.wait()
+    assert store.is_stable(directory) and checkpoint.load_part(store, 1, "extra_state") == {"step": 1}
+    saved = checkpoint.load_part(store, 1, "model")
+    assert all(torch.equal(saved[name], value) for name, value in at_step_1.items())
+    saved_moments = next(iter(checkpoint.load_part(store, 1, "optimizer")["state"].values()))
+    assert all(torch.equal(saved_moments[k], v) for k, v in moments.items())
+
+
+def test_a_failed_background_write_leaves_no_stable_marker_and_is_raised_by_the_next_save(make_config, monkeypatch):
+    config = make_config("failed")
+    store = storage_for(config)
+    trainer = Trainer(config, store)
+    trainer.train_step(1, make_batch(101))
+
+    def full_disk(local_dir, directory):
+        store.fs.makedirs(directory, exist_ok=True)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "upload_dir", full_disk)
+    trainer.save_checkpoint(1, {}, background=True)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_checkpoint(2, {})
+    assert store.stable_steps("checkpoints") == []
+    checkpoint.WRITER.wait()  # the error was raised once
+
+
+def test_prune_keeps_the_checkpoint_being_written(make_config, monkeypatch):
+    config = make_config("writing")
+    config.ckpt.keep, config.ckpt.interval = 1, 2
+    store = storage_for(config)
+    started, release = threading.Event(), threading.Event()
+    real_save = checkpoint.save_checkpoint
+
+    def slow_save(storage, step, parts):
+        storage.fs.makedirs(checkpoint.checkpoint_dir(storage, step), exist_ok=True)  # half written
+        started.set()
+        release.wait(30)
+        return real_save(storage, step, parts)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
+    trainer = Trainer(config, store)
+    trainer.train_step(2, make_batch(102))
+    trainer.save_checkpoint(2, {}, background=True)
+    started.wait(30)
+    checkpoint.prune(store, 3, config)  # step 3 has no checkpoint: an unfinished older one would be removed
+    assert store.exists(checkpoint.checkpoint_dir(store, 2))
+    release.set()
+    checkpoint.WRITER.wait()
+    assert store.stable_steps("checkpoints") == [2]
 
 
 @pytest.mark.parametrize("bad", [{"interval": 0}, {"keep": 0}])

@@ -12,14 +12,23 @@ Parts are staged in a local directory and uploaded through `RunStorage`, whose
 sees complete checkpoints. A checkpoint is written every `ckpt.interval`-th step
 (weights every step); `prune` keeps the last `ckpt.keep` of each, and the weights of every
 `ckpt.keep_weights_every`-th step.
+
+`WRITER` writes a checkpoint in the background (`Trainer.save_checkpoint(background=True)`, what the
+in-process trainer does at every step but the run's last): the parts are copied in memory first (so
+training on does not change what is written), then written and marked STABLE by one thread, one
+checkpoint at a time. The next save, a restore and the end of the process wait for it; a process
+killed mid-write leaves no STABLE marker, as a synchronous save killed mid-write does.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import random
 import tempfile
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -77,6 +86,57 @@ def save_checkpoint(storage: RunStorage, step: int, parts: dict[str, Any]) -> st
     return directory
 
 
+class CheckpointWriter:
+    """This process's checkpoint write in the background: at most one at a time."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._writing: tuple[str, int] | None = None  # (run storage URL, step) while a write is under way
+        self._error: BaseException | None = None
+        self.last_write_seconds: float | None = None  # how long the last background write took (benchmarks)
+
+    def start(self, storage: RunStorage, step: int, parts: dict[str, Any]) -> str:
+        """Wait for the write under way, copy `parts` (every tensor), and write the copy in a thread."""
+        self.wait()
+        snapshot = copy.deepcopy(parts)  # tied tensors stay one tensor, as torch.save keeps them
+        self._writing = (storage.url, step)
+        # not a daemon: a process that ends normally waits for the write; a killed one leaves no STABLE
+        self._thread = threading.Thread(target=self._write, args=(storage, step, snapshot),
+                                        name=f"checkpoint-{step}")
+        self._thread.start()
+        return checkpoint_dir(storage, step)
+
+    def _write(self, storage: RunStorage, step: int, parts: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            save_checkpoint(storage, step, parts)
+        except BaseException as exc:  # raised by the next wait(), in the training thread
+            self._error = exc
+        self.last_write_seconds = time.perf_counter() - started
+
+    def join(self) -> None:
+        """Return once no write is under way (the error of one that failed is kept for `wait`)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, self._writing = None, None
+
+    def wait(self) -> None:
+        """Return once no write is under way; raise the error of a write that failed."""
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def writing(self, storage: RunStorage) -> int | None:
+        """The step of `storage`'s run whose checkpoint is being written, if any."""
+        if self._writing is not None and self._writing[0] == storage.url and self._thread.is_alive():
+            return self._writing[1]
+        return None
+
+
+WRITER = CheckpointWriter()
+
+
 def load_part(storage: RunStorage, step: int, name: str) -> Any:
     data = storage.read_bytes(f"{checkpoint_dir(storage, step)}/{name}.pt")
     # extra_state holds whatever the algorithms keep (numpy arrays, dataclasses): it is the run's own file
@@ -97,7 +157,9 @@ def kept_steps(checkpoints: list[int], weights: list[int], keep: int, lag: int =
 
 def prune(storage: RunStorage, current: int, config: Config) -> None:
     """After step `current`: remove the stable checkpoints and weights `[ckpt]` does not keep, unfinished ones older
-    than `current`, and any later than it (left by the run before a resume re-ran the steps after its checkpoint)."""
+    than `current`, and any later than it (left by the run before a resume re-ran the steps after its checkpoint).
+    The checkpoint `WRITER` is writing stays."""
+    writing = WRITER.writing(storage)
     stable = {kind: [s for s in storage.stable_steps(kind) if s <= current] for kind in (KIND, WEIGHTS)}
     kept = dict(zip((KIND, WEIGHTS), kept_steps(stable[KIND], stable[WEIGHTS], config.ckpt.keep,
                                                  config.async_.max_off_policy_steps, config.ckpt.keep_weights_every)))
@@ -110,5 +172,7 @@ def prune(storage: RunStorage, current: int, config: Config) -> None:
             if not name.isdigit():
                 continue
             step = int(name)
+            if kind == KIND and step == writing:
+                continue
             if step > current or step not in kept[kind] and (step in stable[kind] or step < current):
                 storage.remove(f"{base}/{name}")

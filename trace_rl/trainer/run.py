@@ -5,7 +5,8 @@
 step to torchrun workers (`trace_rl.trainer.workers`, kept up across steps), whose ranks
 train on `steps/<step>/batch.parquet` and write the checkpoint and the weights (rank 0
 writes). Either way, on return `weights/<step>/` is STABLE, and so is
-`checkpoints/<step>/` when `ckpt.interval` gives the step one.
+`checkpoints/<step>/` when `ckpt.interval` gives the step one, except in-process before the run's last
+step: that checkpoint is being written in the background (`checkpoint.WRITER`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ def check_resumes_at(restored: int | None, step: int) -> None:
 
 
 def train_in_process(trainer, storage: RunStorage, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
-    """Train the step; write its checkpoint if `ckpt.interval` says so, its weights, then prune old ones."""
+    """Train the step; write its checkpoint if `ckpt.interval` says so, its weights, then prune old ones.
+
+    A single process writes the checkpoint in the background but at the run's last step (it is STABLE later,
+    as a step between `ckpt.interval`s has none: a crash before then resumes from the one before); torchrun
+    ranks write it before they answer."""
     from trace_rl.trainer.checkpoint import prune, writes_checkpoint
 
     metrics = trainer.train_step(step, read_batch(storage, step))
     if writes_checkpoint(trainer.config, step):
-        trainer.save_checkpoint(step, extra_state)
+        trainer.save_checkpoint(step, extra_state, background=not trainer.distributed and step < trainer.config.steps)
     trainer.export_weights(step)
     if trainer.rank == 0:
         prune(storage, step, trainer.config)

@@ -405,8 +405,13 @@ class Trainer:
         return result
 
     # -- checkpoints ------------------------------------------------------------------
-    def save_checkpoint(self, step: int, extra_state: dict[str, Any] | None = None) -> str | None:
-        """Write `checkpoints/<step>/` (rank 0 writes; every rank takes part in gathering). Returns its directory."""
+    def save_checkpoint(self, step: int, extra_state: dict[str, Any] | None = None,
+                        background: bool = False) -> str | None:
+        """Write `checkpoints/<step>/` (rank 0 writes; every rank takes part in gathering). Returns its directory.
+
+        `background`: return once the state is copied in memory; `checkpoint.WRITER` writes it and marks it
+        STABLE in a thread (the next save or restore waits for it)."""
+        checkpoint.WRITER.wait()
         model_state = get_model_state_dict(self.model, options=FULL_STATE)
         if self.peft is not None:  # the frozen base is the base model's own files: a checkpoint holds the adapter
             trainable = self.trainable_names()
@@ -420,13 +425,15 @@ class Trainer:
                 "trainer": {"step": step, "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state()},
                 "extra_state": dict(extra_state or {}),
             }
-            directory = checkpoint.save_checkpoint(self.storage, step, parts)
+            save = checkpoint.WRITER.start if background else checkpoint.save_checkpoint
+            directory = save(self.storage, step, parts)
         if self.distributed:
             dist.barrier()
         return directory
 
     def restore(self) -> tuple[int | None, dict[str, Any]]:
         """Load the latest STABLE checkpoint if any; returns (its step, the algorithms' extra state) or (None, {})."""
+        checkpoint.WRITER.wait()
         step = self.storage.latest_stable(checkpoint.KIND)
         if step is None:
             return None, {}
