@@ -34,37 +34,47 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     timings: dict[str, float] = {}
     reused: list[str] = []
 
+    # the stages that ran before the next one: its `wait_for`, so the UI's graph shows the fixed order of the stages,
+    # not only the edges of the data they pass
+    before: list = []
+
     def run(task, label: str, options: dict = resumable, **kwargs):
         started = time.perf_counter()
-        state = task.with_options(**options)(config=config, step=step, return_state=True, **kwargs)
+        state = task.with_options(**options)(config=config, step=step, return_state=True, wait_for=list(before),
+                                             **kwargs)
         timings[label] = time.perf_counter() - started
         if state.name == "Cached" or (state.name == "Completed" and state.result().get("reused_checkpoint")):
             reused.append(label)
-        return state.result()  # raises the stage's error if it failed
+        return state, state.result()  # raises the stage's error if it failed
+
+    def stage(task, label: str, options: dict = resumable, **kwargs):
+        state, result = run(task, label, options, **kwargs)
+        before[:] = [state]
+        return result
 
     if rollouts is None:
-        rollouts = run(sample_rollouts, "sample_rollouts")
+        rollouts = stage(sample_rollouts, "sample_rollouts")
     else:
         timings["sample_rollouts"] = rollouts["seconds"]
     jobs = stages.algorithm_jobs(config)
-    algorithms = [run(run_algorithm, f"algorithm/{job.config.id}", job=job) for job in jobs]
+    ran = [run(run_algorithm, f"algorithm/{job.config.id}", job=job) for job in jobs]  # each after sampling
+    before[:] = [state for state, _ in ran]
+    algorithms = [result for _, result in ran]
     paths = [result["channels"] for result in algorithms]
-    run(validate_dimensions, "validate_dimensions", channel_paths=paths)
-    aggregated = run(aggregate_channels, "aggregate_channels", channel_paths=paths)
-    batch = run(write_batch, "write_batch", channel_paths=paths)
+    stage(validate_dimensions, "validate_dimensions", channel_paths=paths)
+    aggregated = stage(aggregate_channels, "aggregate_channels", channel_paths=paths)
+    batch = stage(write_batch, "write_batch", channel_paths=paths)
     ahead = []
     for later in sample_ahead or []:  # one after the other: each loads its own weights into the one sampler
         ahead.append(sample_rollouts.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(
             config=config, step=later, wait_for=ahead[-1:]))
     # never from Prefect's cache: with ckpt.interval > 1 a resume re-trains steps whose train task once finished
     # (the trainer's state is the newest checkpoint's); `train` itself reuses a step's checkpoint when it exists
-    trained = run(train, "train", options={**resumable, "cache_policy": NO_CACHE},
-                  algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
+    trained = stage(train, "train", options={**resumable, "cache_policy": NO_CACHE},
+                    algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
     sampled = []
     if config.async_.max_off_policy_steps == 0:
-        started = time.perf_counter()
-        broadcast_weights(config=config, step=step)
-        timings["broadcast_weights"] = time.perf_counter() - started
+        stage(broadcast_weights, "broadcast_weights", options={})
     elif ahead:  # each sampling loads its own scheduled weights: nothing to broadcast
         started = time.perf_counter()
         sampled = [future.result() for future in ahead]

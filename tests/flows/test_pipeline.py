@@ -23,6 +23,9 @@ def step_runs(api: str, run_name: str) -> list[dict]:
         tasks = httpx.post(f"{api}/task_runs/filter", json={
             "flow_runs": {"id": {"any_": [flow_run["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}).json()
         flow_run["tasks"] = [(t["name"], t["state"]["name"]) for t in tasks]
+        names = {t["id"]: t["name"] for t in tasks}
+        flow_run["waits_for"] = {t["name"]: [names.get(i["id"]) for i in t["task_inputs"].get("wait_for", [])]
+                                 for t in tasks}
     return flow_runs
 
 
@@ -42,6 +45,10 @@ def test_step_flows_run_the_seven_stages_in_order(prefect_api, finished_run):
         assert run["state"]["name"] == "Completed"
         assert [name for name, _ in run["tasks"]] == STAGES
         assert {state for _, state in run["tasks"]} == {"Completed"}
+        # the graph in the UI: each stage waits for the one before it, not only for the data it reads
+        assert run["waits_for"]["sample_rollouts"] == []
+        for index, (earlier, later) in enumerate(zip(STAGES, STAGES[1:])):
+            assert earlier in run["waits_for"][later] and set(run["waits_for"][later]) <= set(STAGES[:index + 1])
 
 
 def test_a_finished_run_has_its_files_and_metrics(finished_run):
