@@ -18,6 +18,7 @@ SECTIONS = [
     ("[models.<key>]", c.ExtraModelConfig),
     ("[inference]", c.InferenceConfig), ("[sampling] and [env.sampling]", c.SamplingConfig), ("[[env]]", c.EnvConfig),
     ("[trainer]", c.TrainerConfig), ("[trainer.loss]", c.LossConfig), ("[trainer.loss.correction]", c.CorrectionConfig),
+    ("[trainer.loss.kl]", c.KLConfig),
     ("[ckpt]", c.CheckpointConfig),
     ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig), ("[eval]", c.EvalConfig),
     ("[logging]", c.LoggingConfig), ("[logging.mlflow]", c.MlflowConfig), ("[logging.wandb]", c.WandbConfig),

@@ -32,10 +32,10 @@ def test_demo_config_loads_with_typed_overrides():
 
 
 def test_every_wrong_key_is_named_with_a_fix():
-    found = problems(minimal(env=[{"id": "reverse-text", "group_sze": 3}], trainer={"lrr": 1, "loss": {"kl": 1}}))
+    found = problems(minimal(env=[{"id": "reverse-text", "group_sze": 3}], trainer={"lrr": 1, "loss": {"kl_taus": 1}}))
     assert "env.0.group_sze: unknown key; did you mean 'group_size'?" in found
     assert "trainer.lrr: unknown key; did you mean 'lr'?" in found
-    assert any(p.startswith("trainer.loss.kl: unknown key") and "kl_tau" in p for p in found)
+    assert any(p.startswith("trainer.loss.kl_taus: unknown key") and "kl_tau" in p for p in found)
     assert len(found) == 3
 
 

@@ -1,7 +1,8 @@
 """Which in-process engines a run starts, and how they share one GPU with the trainer (docs/scaling.md).
 
 An engine is started only for a model something uses: the actor, which samples the rollouts, and
-the models the step's local algorithms score with (`Algorithm.models_used`, e.g. opd's `model`).
+the models the step's local algorithms score with (`Algorithm.models_used`, e.g. opd's `model`), and the
+`[trainer.loss.kl]` reference.
 With `actor = "reference"` and no algorithm that scores with the policy, no policy engine exists,
 and nothing is broadcast to one.
 
@@ -35,6 +36,8 @@ def models_in_use(config: Config) -> list[str]:
             cls = resolve_algorithm_class(algo.id)
             if cls is not None:
                 used += sorted(cls.models_used(validate_options(cls, algo)))
+    if config.trainer.loss.kl is not None:  # the KL reference scores every step's batch
+        used.append(config.trainer.loss.kl.model)
     return list(dict.fromkeys(used))
 
 

@@ -204,6 +204,18 @@ class CorrectionConfig(Strict):
         return self
 
 
+class KLConfig(Strict):
+    """`[trainer.loss.kl]`: a KL penalty toward a reference model on the rl tokens (docs/trainer.md)."""
+
+    model: str = Field("reference", description="the [models.<key>] (tokens = true) that scores the trained tokens "
+                       "once per step; its logprobs are the batch's ref_logprobs column")
+    coef: float = Field(1e-3, gt=0, description="weight of the penalty: the loss gains coef * estimator(lp - "
+                        "lp_ref), aggregated over the rl tokens like the policy loss")
+    estimator: Literal["k1", "k2", "k3", "k3+"] = Field(
+        "k3", description="k1: d; k2: d**2 / 2; k3: exp(-d) - 1 + d; k3+: k3's value with k2's gradient "
+        "(d = lp - lp_ref; Schulman 2020)")
+
+
 class LossConfig(Strict):
     """`[trainer.loss]`: see docs/trainer.md for the formulas."""
 
@@ -236,6 +248,8 @@ class LossConfig(Strict):
     correction: CorrectionConfig | None = Field(
         None, description="[trainer.loss.correction]: importance correction for the sampler/trainer mismatch "
         "(unset: none)")
+    kl: KLConfig | None = Field(
+        None, description="[trainer.loss.kl]: KL penalty toward a reference model's logprobs (unset: none)")
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
@@ -506,6 +520,24 @@ class Config(Strict):
                 "since the trainer's logprobs and importance ratios are of the untruncated softmax; use temperature "
                 "to sharpen sampling instead, or sample with another model (actor = '<key>')"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_kl(self) -> Config:
+        """The KL penalty's reference must be a token-capable [models.<key>]: it scores the trained tokens."""
+        kl = self.trainer.loss.kl
+        if kl is None:
+            return self
+        if kl.model == POLICY:
+            raise ValueError("trainer.loss.kl.model: 'policy' is the trained model itself (a KL of 0 to its own "
+                             "sampler); name a frozen [models.<key>] with tokens = true, e.g. 'reference'")
+        if kl.model not in self.models:
+            known = ", ".join(self.models) or "none"
+            raise ValueError(f"trainer.loss.kl.model: {kl.model!r} is not a model (models: {known}); add "
+                             f"[models.{kl.model}] with tokens = true, or remove [trainer.loss.kl]")
+        if not self.models[kl.model].tokens:
+            raise ValueError(f"trainer.loss.kl.model: models.{kl.model} must set tokens = true: it scores the "
+                             "trained tokens")
         return self
 
     def algorithms_for(self, env: EnvConfig) -> list[AlgorithmConfig]:

@@ -19,6 +19,7 @@ from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.errors import RefusedError
 from trace_rl.loading import validate_config
 from trace_rl.names import LOSS_NAMES, POLICY
+from trace_rl.reference import with_reference_logprobs
 from trace_rl.schedule import sampling_weights
 from trace_rl.session import Session
 from trace_rl.step import AlgorithmJob, algorithm_jobs, compute_channels
@@ -213,7 +214,7 @@ async def replay_step(session: Session, out: RunStorage, step: int, jobs: list[A
         stats.update(channel_stats(job_channels))
         channels += job_channels
     validate_channels(traces, channels)
-    samples = aggregate(traces, channels)
+    samples = await with_reference_logprobs(session, step, aggregate(traces, channels))
     write_batch(out, step, samples)
     original_path = session.storage.step_path(step, "batch.parquet")
     original = batch_stats(read_batch(session.storage, step)) if session.storage.exists(original_path) else {}

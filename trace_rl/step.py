@@ -158,11 +158,16 @@ def aggregate_channels(session: Session, step: int, channel_paths: list[str]) ->
 
 
 def write_batch(session: Session, step: int, channel_paths: list[str]) -> dict:
+    """The step's batch.parquet; with `[trainer.loss.kl]` the reference scores every sample first, once, and
+    its logprobs are the batch's `ref_logprobs` column (the stage's task is what a resume reuses)."""
+    from trace_rl.reference import with_reference_logprobs
+
     key = ("samples", step, tuple(channel_paths))
     if key not in session.cache:  # a fresh process: aggregation is cheap and deterministic, so redo it
         traces, channels = _load_step(session, step, channel_paths)
         session.cache[key] = aggregate(traces, channels)
     samples = session.cache.pop(key)
+    samples = run_sync(with_reference_logprobs(session, step, samples))
     return {"batch": write_batch_table(session.storage, step, samples), "samples": len(samples)}
 
 

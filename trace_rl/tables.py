@@ -61,8 +61,11 @@ BATCH_SCHEMA = pa.schema(
         ("inference_logprobs", pa.list_(pa.float32())),
         *[col for loss in LOSS_NAMES for col in ((f"{loss}_values", pa.list_(pa.float32())),
                                                   (f"{loss}_mask", pa.list_(pa.bool_())))],
+        ("ref_logprobs", pa.list_(pa.float32())),
     ]
 )
+# columns a batch table may lack: `sampled` (older batches), `ref_logprobs` (only with [trainer.loss.kl])
+OPTIONAL_BATCH_COLUMNS = ("sampled", "ref_logprobs")
 
 
 def _message_row(message) -> dict:
@@ -162,25 +165,34 @@ class TrainingSample:
     rl_mask: np.ndarray
     ce_values: np.ndarray
     ce_mask: np.ndarray
+    # the [trainer.loss.kl] reference's logprobs of `input_ids` (its first 0), scored at `temperature` on sampled
+    # tokens; None without a KL penalty (the batch then has no such column)
+    ref_logprobs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
 
 _SAMPLE_DTYPES = {
-    "input_ids": np.int32, "sampled": np.bool_, "inference_logprobs": np.float32,
+    "input_ids": np.int32, "sampled": np.bool_, "inference_logprobs": np.float32, "ref_logprobs": np.float32,
     **{f"{loss}_{part}": (np.float32 if part == "values" else np.bool_) for loss in LOSS_NAMES
        for part in ("values", "mask")},
 }
 
 
 def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
+    """The batch table; `ref_logprobs` is a column only when the samples carry them (all or none)."""
+    with_ref = [s.ref_logprobs is not None for s in samples]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError("ref_logprobs: every sample of a batch carries the reference's logprobs, or none does")
+    schema = BATCH_SCHEMA if samples and all(with_ref) else BATCH_SCHEMA.remove(
+        BATCH_SCHEMA.get_field_index("ref_logprobs"))
     rows = {
         name: (list_column([np.asarray(getattr(s, name)) for s in samples], _SAMPLE_DTYPES[name])
                if name in _SAMPLE_DTYPES else [getattr(s, name) for s in samples])
-        for name in BATCH_SCHEMA.names
+        for name in schema.names
     }
-    return pa.Table.from_pydict(rows, schema=BATCH_SCHEMA)
+    return pa.Table.from_pydict(rows, schema=schema)
 
 
 def table_to_samples(table: pa.Table) -> list[TrainingSample]:
@@ -189,7 +201,7 @@ def table_to_samples(table: pa.Table) -> list[TrainingSample]:
     if "sampled" not in table.column_names:
         lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
         table = table.append_column("sampled", list_column([np.ones(n, np.bool_) for n in lengths], np.bool_))
-    columns = {name: table.column(name) for name in BATCH_SCHEMA.names}
+    columns = {name: table.column(name) for name in BATCH_SCHEMA.names if name in table.column_names}
     samples = []
     for row in range(table.num_rows):
         fields = {
@@ -285,7 +297,7 @@ def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -
 
 def read_batch(storage: RunStorage, step: int) -> list[TrainingSample]:
     return table_to_samples(read_table(storage, storage.step_path(step, "batch.parquet"), BATCH_SCHEMA,
-                                       optional=("sampled",)))
+                                       optional=OPTIONAL_BATCH_COLUMNS))
 
 
 CHANNEL_SCHEMA = pa.schema(

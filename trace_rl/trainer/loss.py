@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trace_rl.config import CorrectionConfig, LossConfig
+from trace_rl.config import CorrectionConfig, KLConfig, LossConfig
 
 Channel = tuple[torch.Tensor, torch.Tensor]  # (values float, mask bool), both aligned with the tokens
 
@@ -241,6 +241,42 @@ def ce_token_loss(lp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -
     return torch.where(mask, -weights * lp, torch.zeros_like(lp))
 
 
+# -- KL penalty toward a reference model --------------------------------------------------------------
+
+
+def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi, with `d = lp - lp_ref` (Schulman 2020,
+    "Approximating KL Divergence"; the names are verl's `kl_penalty` ones):
+
+        k1:   d                                 d/d lp = 1
+        k2:   d**2 / 2                          d/d lp = d
+        k3:   exp(-d) - 1 + d                   d/d lp = 1 - exp(-d)        (unbiased, always >= 0)
+        k3+:  k3's value, k2's gradient: sg(k3) + k2 - sg(k2)              d/d lp = d
+
+    k2's gradient is the one whose expectation is the gradient of the reverse KL (Liu et al. 2025, "Rethinking
+    KL Regularization in RLHF"), hence k3+. `lp_ref` carries no gradient.
+    """
+    d = lp - lp_ref.detach()
+    if estimator == "k1":
+        return d
+    k2 = d**2 / 2
+    if estimator == "k2":
+        return k2
+    k3 = torch.exp(-d) - 1 + d
+    if estimator == "k3":
+        return k3
+    if estimator == "k3+":
+        return k3.detach() + k2 - k2.detach()
+    raise ValueError(f"unknown trainer.loss.kl.estimator {estimator!r}")
+
+
+def kl_penalty(lp: torch.Tensor, lp_ref: torch.Tensor, mask: torch.Tensor, kl: KLConfig) -> torch.Tensor:
+    """The KL term's token losses: `coef * estimator(lp - lp_ref)` on the rl tokens, 0 elsewhere (where `lp_ref`
+    may be anything: it is never read)."""
+    safe_ref = torch.where(mask, lp_ref, lp.detach())
+    return torch.where(mask, kl.coef * kl_estimate(lp, safe_ref, kl.estimator), torch.zeros_like(lp))
+
+
 # -- aggregation -------------------------------------------------------------------------------------
 
 
@@ -318,8 +354,11 @@ def compute_loss(
     scales: dict[str, float],
     config: LossConfig,
     sequence_lengths: Sequence[int] | torch.Tensor | None = None,
+    lp_ref: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss = aggregate(rl token losses) + aggregate(ce token losses)` for one micro-batch, and its metrics.
+    """`loss = aggregate(rl token losses) + aggregate(ce token losses)` for one micro-batch, and its metrics;
+    with `config.kl`, plus `aggregate(coef * estimator(lp - lp_ref))` over the rl tokens (`loss/kl`), where
+    `lp_ref` are the reference model's logprobs of the tokens (aligned with `lp`).
 
     `channels` maps "rl" and "ce" to (values, mask); rl values are the advantages,
     ce values the token weights. `scales` maps the same names to the step-wide token
@@ -354,6 +393,12 @@ def compute_loss(
     rl = aggregate(per_token, rl_mask, index, count, rl_tokens, rl_sequences, mode, config.norm_tokens)
     ce = aggregate(ce_token_loss(lp, ce_values, ce_mask), ce_mask, index, count, ce_tokens, ce_sequences, mode,
                    config.norm_tokens)
+    kl = None
+    if config.kl is not None:
+        if lp_ref is None:
+            raise ValueError("trainer.loss.kl needs the reference's logprobs (lp_ref): the batch has no ref_logprobs")
+        kl = aggregate(kl_penalty(lp, lp_ref.float(), rl_mask, config.kl), rl_mask, index, count, rl_tokens,
+                       rl_sequences, mode, config.norm_tokens)
     rl_scale = max(rl_tokens, 1.0)
     with torch.no_grad():
         dropped = (rl_mask & ~trust_region_keep(rl_values, lp, lp_inf, config) if config.policy == "dppo"
@@ -371,4 +416,7 @@ def compute_loss(
             "trust_region_masked": dropped.sum().float() / rl_scale,
             **ratio_stats(lp, lp_inf, rl_mask, index, count, rl_tokens, rl_sequences),
         }
-    return rl + ce, metrics
+    if kl is None:
+        return rl + ce, metrics
+    metrics["loss/kl"] = kl.detach()
+    return rl + ce + kl, metrics

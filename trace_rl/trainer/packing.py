@@ -38,7 +38,8 @@ def fit_to_limit(samples: list[TrainingSample], limit: int, truncate: bool) -> l
     """Check every sample's arrays agree in length and fit in `limit` tokens; cut the too long ones if `truncate`."""
     fitted = []
     for sample in samples:
-        lengths = {name: len(getattr(sample, name)) for name in TOKEN_FIELDS}
+        fields = TOKEN_FIELDS if sample.ref_logprobs is None else (*TOKEN_FIELDS, "ref_logprobs")
+        lengths = {name: len(getattr(sample, name)) for name in fields}
         if len(set(lengths.values())) != 1:
             raise PackingError(f"{sample_name(sample)}: per-token arrays differ in length: {lengths}")
         if len(sample) == 0:
@@ -49,7 +50,7 @@ def fit_to_limit(samples: list[TrainingSample], limit: int, truncate: bool) -> l
                     f"{sample_name(sample)} has {len(sample)} tokens, more than trainer.micro_batch_tokens = {limit}; "
                     "raise trainer.micro_batch_tokens or set trainer.truncate = true to cut it"
                 )
-            sample = dataclasses.replace(sample, **{name: getattr(sample, name)[:limit] for name in TOKEN_FIELDS})
+            sample = dataclasses.replace(sample, **{name: getattr(sample, name)[:limit] for name in fields})
         fitted.append(sample)
     return fitted
 
@@ -84,6 +85,7 @@ class MicroBatch:
     rl_mask: np.ndarray
     ce_values: np.ndarray
     ce_mask: np.ndarray
+    ref_logprobs: np.ndarray | None = None  # float32, the KL reference's logprobs ([trainer.loss.kl] only)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +101,10 @@ def collate(samples: list[TrainingSample]) -> MicroBatch:
     arrays = {name: np.concatenate([getattr(s, name) for s in samples]) for name in TOKEN_FIELDS}
     for loss in LOSS_NAMES:
         arrays[f"{loss}_mask"] = arrays[f"{loss}_mask"].astype(bool) & ~first_token
+    with_ref = [s.ref_logprobs is not None for s in samples]
+    ref = np.concatenate([s.ref_logprobs for s in samples]).astype(np.float32) if all(with_ref) else None
+    if any(with_ref) and ref is None:
+        raise PackingError("ref_logprobs: every sample of a batch carries the reference's logprobs, or none does")
     sample_temperature = np.repeat(np.array([s.temperature for s in samples], dtype=np.float32), lengths)
     return MicroBatch(
         input_ids=arrays.pop("input_ids").astype(np.int64),
@@ -106,6 +112,7 @@ def collate(samples: list[TrainingSample]) -> MicroBatch:
         segment_ids=np.repeat(np.arange(len(samples), dtype=np.int64), lengths),
         temperature=np.where(arrays.pop("sampled").astype(bool), sample_temperature, np.float32(1.0)),
         **{name: value.astype(np.float32) if not name.endswith("_mask") else value for name, value in arrays.items()},
+        ref_logprobs=ref,
     )
 
 

@@ -349,6 +349,23 @@ class Trainer:
         return torch.where(torch.isinf(reduced) & extreme, 0.0, reduced).tolist()
 
     # -- training ---------------------------------------------------------------------
+    @property
+    def loss_names(self) -> tuple[str, ...]:
+        """The loss terms, each logged as `loss/<name>`: the channels, and `kl` with [trainer.loss.kl]."""
+        return (*LOSS_NAMES, "kl") if self.loss_config.kl is not None else LOSS_NAMES
+
+    def _reference_logprobs(self, step: int, batch: MicroBatch) -> torch.Tensor | None:
+        """The KL reference's logprobs of the micro-batch's tokens (None without [trainer.loss.kl]); a padding
+        micro-batch (no masked token) gets zeros, a batch written without the column fails naming the step."""
+        if self.loss_config.kl is None:
+            return None
+        if batch.ref_logprobs is not None:
+            return torch.from_numpy(batch.ref_logprobs).to(self.device)
+        if batch.rl_mask.any():
+            raise ValueError(f"step {step}: [trainer.loss.kl] needs the reference's logprobs, but the batch has no "
+                             "ref_logprobs column (written without [trainer.loss.kl]: write the batch again)")
+        return torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
+
     def train_step(self, step: int, samples: list[TrainingSample]) -> dict[str, float]:
         """Pack the samples, accumulate the gradient over this rank's micro-batches, clip, and step."""
         t = self.config.trainer
@@ -376,10 +393,11 @@ class Trainer:
                     lp, on_device["inference_logprobs"],
                     {loss: (on_device[f"{loss}_values"], on_device[f"{loss}_mask"]) for loss in LOSS_NAMES},
                     scales, self.loss_config, sequence_lengths=np.bincount(batch.segment_ids).tolist(),
+                    lp_ref=self._reference_logprobs(step, batch),
                 )
                 # DDP and FSDP average gradients over ranks; the scales already sum over ranks
                 (loss * self.world_size).backward()
-            losses.append(torch.stack([metrics[f"loss/{name}"] for name in LOSS_NAMES]))
+            losses.append(torch.stack([metrics[f"loss/{name}"] for name in self.loss_names]))
             loss_mask = on_device["rl_mask"] | on_device["ce_mask"]
             metrics["entropy"] = (entropy * loss_mask).sum() / max(loss_tokens, 1.0)
             for name, value in metrics.items():
@@ -390,14 +408,14 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        check_finite(step, [dict(zip(LOSS_NAMES, values)) for values in torch.stack(losses).tolist()],
+        check_finite(step, [dict(zip(self.loss_names, values)) for values in torch.stack(losses).tolist()],
                      float(grad_norm), self.rank)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step = step
         result = dict(zip(names, reduced))
-        result["loss"] = result["loss/rl"] + result["loss/ce"]
+        result["loss"] = sum(result[f"loss/{name}"] for name in self.loss_names)
         result.update(
             grad_norm=float(grad_norm), lr=lr, tokens=float(sum(b.num_tokens for b in micro_batches)),
             micro_batches=float(len(micro_batches)), samples=float(len(samples)),
