@@ -32,3 +32,32 @@ def test_a_kl_step_carries_the_reference_logprobs_in_the_batch_and_logs_loss_kl(
     assert metrics["train/loss/kl"] > 0  # k3 >= 0, and the reference differs
     assert metrics["train/loss"] == pytest.approx(
         metrics["train/loss/rl"] + metrics["train/loss/ce"] + metrics["train/loss/kl"])
+
+
+@pytest.fixture(scope="module")
+def source_run(prefect_api, tmp_path_factory) -> RunStorage:
+    from flows.train import run_training
+
+    config = validate_config(small_config(str(tmp_path_factory.mktemp("runs")), "source", steps=2))
+    run_training(config)
+    return RunStorage(config.storage, config.name)
+
+
+def replayed_weights(run: RunStorage, out: str, overrides: list[str]) -> dict:
+    from safetensors.numpy import load
+
+    from flows.replay import replay
+    from trace_rl.storage import step_name
+
+    storage = RunStorage.from_url(out)
+    replay(run=run.url, algorithms=[AlgorithmConfig(id="grpo")], out=storage.url, train=True, overrides=overrides)
+    return load(storage.read_bytes(storage.path("weights", step_name(2), "model.safetensors")))
+
+
+def test_replay_with_set_policy_cispo_trains_differently_on_the_same_traces(source_run, tmp_path):
+    default = replayed_weights(source_run, f"{tmp_path}/dppo", [])
+    again = replayed_weights(source_run, f"{tmp_path}/dppo-again", [])
+    cispo = replayed_weights(source_run, f"{tmp_path}/cispo", ["trainer.loss.policy=cispo"])
+    assert default.keys() == cispo.keys()
+    assert all((default[k] == again[k]).all() for k in default)  # the same traces and loss: bitwise the same
+    assert any(not (default[k] == cispo[k]).all() for k in default)  # another loss: other weights
