@@ -163,6 +163,22 @@ class EnvConfig(Strict):
     max_error_fraction: float = Field(
         0.5, ge=0, le=1, description="the step fails, showing the first errors, when more than this fraction of "
         "the env's rollouts fail (the env raised, or retries ran out); 1: never")
+    drop_uniform_groups: bool = Field(
+        False, description="dynamic sampling (DAPO): drop the groups whose rewards are all equal (no advantage "
+        "signal) before the algorithms run")
+    refill_rounds: int = Field(
+        0, ge=0, description="with drop_uniform_groups: sample up to this many further rounds of fresh groups "
+        "(seeded by step and round) to refill the batch_size groups the drop left short")
+
+    @model_validator(mode="after")
+    def _dynamic_sampling(self) -> EnvConfig:
+        if self.refill_rounds and not self.drop_uniform_groups:
+            raise ValueError("refill_rounds refills the groups drop_uniform_groups drops: set drop_uniform_groups "
+                             "= true, or remove refill_rounds")
+        if self.drop_uniform_groups and self.group_size == 1:
+            raise ValueError("drop_uniform_groups with group_size = 1 drops every group (one reward is always "
+                             "uniform); raise group_size")
+        return self
 
 
 # the [trainer.loss] keys each policy reads; the others are refused with that policy (docs/trainer.md)

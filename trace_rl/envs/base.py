@@ -114,6 +114,11 @@ class Environment:
         (run seed, step, env index); an env with a fixed data set overrides it to walk its rows epoch by epoch."""
         return self.examples(derive_seed(run_seed, step, env_index), count)
 
+    def refill_examples(self, run_seed: int, step: int, env_index: int, round_: int, count: int) -> list[Example]:
+        """`count` fresh examples for refill round `round_` (from 1) of a step (`[[env]] refill_rounds`): by default
+        `examples` seeded by (run seed, step, env index, "refill", round), so a resumed step draws the same ones."""
+        return self.examples(derive_seed(run_seed, step, env_index, "refill", round_), count)
+
     @classmethod
     def check(cls, args: BaseModel) -> None:
         """Config-time checks beyond the args' schema (e.g. that a data set's files read); raises EnvError."""

@@ -219,6 +219,13 @@ class Dataset(Environment):
     def examples(self, seed: int, count: int) -> list[Example]:
         return self.examples_for_step(seed, 1, 0, count)
 
+    def refill_examples(self, run_seed: int, step: int, env_index: int, round_: int, count: int) -> list[Example]:
+        """Up to `count` distinct rows drawn at random, seeded by (run seed, step, env index, "refill", round), apart
+        from the epoch stream (a refill does not advance it, nor count against `epochs`)."""
+        rng = random.Random(derive_seed(run_seed, step, env_index, "refill", round_))
+        rows = rng.sample(range(len(self.rows)), min(count, len(self.rows)))
+        return [Example(id=f"{self.args.split}-{row + 1}", data={"row": row}) for row in rows]
+
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         messages, answer = self.rows[example.data["row"]]
         conversation = sampler.conversation(messages)
