@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -16,7 +17,7 @@ import traceback
 from trace_rl import quiet, reaper
 from trace_rl.config import Config, ConfigError, config_to_toml
 from trace_rl.errors import FatalError, RefusedError
-from trace_rl.inference.vllm_logging import quiet_imports
+from trace_rl.inference.vllm_logging import quiet_imports, verbose
 from trace_rl.loading import load_config
 
 # vLLM's spawned processes (EngineCore and its worker) run this main module first, so this drops the
@@ -49,6 +50,27 @@ def _load(args) -> Config:
     return load_config(args.config, args.overrides, on_this_machine=True)  # train and serve run it here
 
 
+class RunFailureReports(logging.Filter):
+    """Drops what Prefect's engines log when a task or flow run fails (ERROR lines with the traceback, the same
+    failure once per enclosing run): the command ends with that failure in one `error:` line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or not record.name.startswith(("prefect.task_runs", "prefect.flow_runs"))
+
+
+def _no_failure_tracebacks() -> None:
+    """Prefect's console shows no run failure reports (the UI keeps them), unless --verbose."""
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    if verbose():
+        return
+    ensure_logging_setup()  # later setups are incremental: they keep the handlers and this filter
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            handler.addFilter(RunFailureReports())
+
+
 def _prefect(configured: str | None = None) -> str:
     """Point this process at the Prefect server (starting the embedded one if none is set) and make sure it
     marks our flow runs Crashed when their heartbeats stop (flows/liveness.py)."""
@@ -56,7 +78,7 @@ def _prefect(configured: str | None = None) -> str:
 
     api_url = ensure_api_url(configured)
     print(f"Prefect API: {api_url} (UI: {api_url.removesuffix('/api')})", file=sys.stderr)
-    quiet.no_failure_tracebacks()
+    _no_failure_tracebacks()
     from flows.liveness import ensure_zombie_automation
 
     ensure_zombie_automation()

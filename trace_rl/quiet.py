@@ -1,7 +1,7 @@
 """A quiet terminal by default: progress, warnings and errors; `--verbose` shows every log line.
 
 - Prefect's console shows its warnings and errors only (the UI keeps every log line), and not the failure
-  reports of task and flow runs: the command's last line names the failure;
+  reports of task and flow runs (flows/cli.py): the command's last line names the failure;
 - vLLM shows no INFO lines and none of the warnings known to be harmless (inference/vllm_logging.py);
 - transformers draws no progress bar per step for loading and writing weights (Hub downloads keep theirs);
 - the vLLM engines stop in order before the process exits (vLLM's own exit handler warns that the engine
@@ -12,7 +12,6 @@ Settings the user made in the environment win.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
@@ -42,28 +41,6 @@ def progress_bars() -> None:
 
     transformers_logging.disable_progress_bar()
     enable_progress_bars()
-
-
-class RunFailureReports(logging.Filter):
-    """Drops what Prefect's engines log when a task or flow run fails (ERROR lines with the traceback, the same
-    failure once per enclosing run): the command ends with that failure in one `error:` line instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or not record.name.startswith(("prefect.task_runs", "prefect.flow_runs"))
-
-
-def no_failure_tracebacks() -> None:
-    """Once Prefect has set up logging: its console shows no run failure reports (the UI keeps them), unless
-    --verbose."""
-    if verbose():
-        return
-    from prefect.logging.configuration import ensure_logging_setup
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    ensure_logging_setup()  # later setups are incremental: they keep the handlers and this filter
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, PrefectConsoleHandler):
-            handler.addFilter(RunFailureReports())
 
 
 def stop_engines() -> None:
