@@ -10,6 +10,7 @@ exported weights are cast to it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import math
@@ -287,6 +288,8 @@ class Trainer:
             weight_decay=t.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(t.warmup_steps))
+        # a checkpoint written in the background reads the live parameters and AdamW state: the next step waits for it
+        self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpoint.WRITER.wait())
         self.loss_config = resolved_loss_config(config)
         self.step: int | None = None
         self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
@@ -427,8 +430,9 @@ class Trainer:
                         background: bool = False) -> str | None:
         """Write `checkpoints/<step>/` (rank 0 writes; every rank takes part in gathering). Returns its directory.
 
-        `background`: return once the state is copied in memory; `checkpoint.WRITER` writes it and marks it
-        STABLE in a thread (the next save or restore waits for it)."""
+        `background`: return at once; `checkpoint.WRITER` writes the state and marks it STABLE in a thread. It
+        writes the live parameters and AdamW state (no copy): the next optimizer step, save or restore waits
+        for it."""
         checkpoint.WRITER.wait()
         model_state = get_model_state_dict(self.model, options=FULL_STATE)
         if self.peft is not None:  # the frozen base is the base model's own files: a checkpoint holds the adapter
@@ -440,8 +444,10 @@ class Trainer:
             parts = {
                 "model": model_state,
                 "optimizer": optimizer_state,
-                "trainer": {"step": step, "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state()},
-                "extra_state": dict(extra_state or {}),
+                # small and changed by the caller or the next step: copied (the tensors are written before they change)
+                "trainer": copy.deepcopy({"step": step, "scheduler": self.scheduler.state_dict(),
+                                          "rng": checkpoint.rng_state()}),
+                "extra_state": copy.deepcopy(dict(extra_state or {})),
             }
             save = checkpoint.WRITER.start if background else checkpoint.save_checkpoint
             directory = save(self.storage, step, parts)
