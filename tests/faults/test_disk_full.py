@@ -47,10 +47,12 @@ def test_a_full_disk_fails_the_step_clearly_and_resume_finishes_it(prefect_api, 
     assert (out / "full.rc").read_text() == "1\n", log[-3000:]
     assert (f"error: no room to write {runs}/disk-full/checkpoints/000002: No space left on device. It is not marked "
             "complete and the run's last STABLE checkpoint is untouched") in done.stderr
-    # after the failure: step 1 complete; of step 2's checkpoint nothing is left (its partial copy removed)
+    # after the failure: step 1 complete; of step 2's checkpoint nothing is left (its partial copy removed); its
+    # weights, exported while the checkpoint was written in the background, are whole (the resume rewrites them)
     run = f"{runs}/disk-full"
     assert (out / "after-full.txt").read_text().split() == [
         f"{run}/checkpoints/000001/STABLE", f"{run}/checkpoints/000001/optimizer.pt",
-        f"{run}/weights/000001/STABLE", f"{run}/weights/000001/model.safetensors"]
+        f"{run}/weights/000001/STABLE", f"{run}/weights/000001/model.safetensors",
+        f"{run}/weights/000002/STABLE", f"{run}/weights/000002/model.safetensors"]
     assert (out / "resumed.rc").read_text() == "0\n", log[-3000:]
     assert (out / "model.safetensors").read_bytes() == uninterrupted
