@@ -33,6 +33,7 @@ BENCHMARKS = {  # name: (module, timeout seconds)
     "io": ("bench.io", 300),
     "step": ("bench.step", 600),
     "trl": ("bench.trl", 1200),
+    "trl-real": ("bench.trl_real", 3600),
     "overlap": ("bench.overlap", 2400),
     "lora": ("bench.lora", 600),
 }
@@ -245,6 +246,81 @@ def render_trl(r: dict) -> list[str]:
     return lines
 
 
+def real_dtype(side: str, dtype: str) -> str:
+    if dtype == "float32":
+        return "float32 (weights, AdamW, compute" + (", generate)" if side.startswith("trl") else ", sampler)")
+    if side.startswith("trl"):
+        return f"float32 weights + AdamW, {dtype} autocast (train and generate)"
+    return f"float32 weights + AdamW, {dtype} autocast; sampler {dtype} weights"
+
+
+def render_trl_real(r: dict) -> list[str]:
+    w, rows, errors = r["workload"], [], []
+    for side, s in r["sides"].items():
+        if "error" in s:
+            errors.append(f"- `{side}`: did not run: {s['error']}")
+            continue
+        dtype = real_dtype(side, w["dtype"])
+        if side.startswith("trl"):
+            dtype += f" (accelerate mixed_precision={s['mixed_precision']}, weights {s['weights_dtype']})"
+        rows.append([side, dtype, s["step_seconds"], s["median_step_seconds"], s["step_cpu_seconds"],
+                     s["median_step_cpu_seconds"], s["sample_seconds"], s["sampling_tokens_per_s"],
+                     s["trainer_seconds"], s["trainer_tokens_per_s"], s["median_trainer_tokens_per_s"],
+                     s["tokens_per_step"], s["peak_tree_rss_mb"], " ".join(f"{x:.3f}" for x in s["rewards"])])
+    lines = [f"Model `{w['model']}` ({r['parameters'] / 1e6:.1f}M parameters), `{w['env']}`, "
+             f"{w['examples_per_step']} prompts x {w['group_size']} completions, at most "
+             f"{w['max_completion_tokens']} tokens at temperature {w['temperature']}, lr {w['lr']}; {r['steps']} "
+             f"steps per side, interleaved; best of steps 2..{r['steps']} (medians alongside). Best square matmul: "
+             f"float32 {r['matmul_gflops']['float32']:.1f} GFLOP/s, bfloat16 {r['matmul_gflops']['bfloat16']:.1f}; "
+             f"both sides compute in {w['dtype']}.",
+             ""]
+    lines += table(["side", "dtype", "step s", "median step s", "step CPU s", "median step CPU s", "sampling s",
+                    "sampling tokens/s", "trainer s", "trainer tokens/s", "median trainer tokens/s", "tokens/step",
+                    "peak RSS MB (all processes)", "reward per step"], rows)
+    lines += errors + ([""] if errors else [])
+    lines += table(["comparison (trace-rl / TRL)", "step speed-up", "median step speed-up", "step CPU speed-up",
+                    "sampling tokens/s ratio", "trainer tokens/s ratio", "median trainer tokens/s ratio",
+                    "peak RSS ratio"],
+                   [[name, x["step_speedup"], x["median_step_speedup"], x["step_cpu_speedup"],
+                     x.get("sampling_tokens_per_s", ""), x["trainer_tokens_per_s"], x["median_trainer_tokens_per_s"],
+                     x.get("peak_tree_rss", "")] for name, x in r["ratios"].items()])
+    stage_rows = []
+    for side, s in r["sides"].items():
+        if "median_stage_seconds" in s:
+            stage_rows += [[side, label, value] for label, value in s["median_stage_seconds"].items()
+                           if value >= 0.01]
+    if stage_rows:
+        lines += ["trace-rl's stages (medians of the warm steps; `io/*` and `trainer/*` are inside the stages):", ""]
+        lines += table(["side", "stage", "seconds"], stage_rows)
+    for side, s in r["sides"].items():
+        if s.get("sync_checkpoint_seconds") is not None:
+            writes = ", ".join(f"{x:.1f}" for x in s["background_write_seconds"])
+            lines.append(f"- `{side}` checkpoint: {s['checkpoint_mb']:.0f} MB; written before the step returns "
+                         f"{s['sync_checkpoint_seconds']:.1f} s; in the background (overlapping the next step) "
+                         f"{writes} s")
+    lines += [""] + table(["side", f"train floor s (6 N tokens at the {w['dtype']} matmul rate)", "floor s (+ its sampling)",
+                           "step / floor", "trainer / train floor", "trainer GFLOP/s (6 N tokens / trainer s)"],
+                          [[side, f["train_floor_seconds"], f["floor_seconds"], f["step_over_floor"],
+                            f["trainer_over_train_floor"], f["trainer_gflops"]] for side, f in r["floors"].items()])
+    if r.get("load_range"):
+        lines.append(f"Load average (1 min) at each step's start: {r['load_range'][0]:.1f} to "
+                     f"{r['load_range'][1]:.1f}.")
+        lines.append("")
+    if (c := r.get("checkpoint_run")) is not None:  # the checkpointing sides again, on their own
+        lines += [f"Checkpointing, a second run of the trace-rl vLLM sides alone ({c['steps']} steps, interleaved; "
+                  f"load {c['load_range'][0]:.1f} to {c['load_range'][1]:.1f}):", ""]
+        lines += table(["side", "step s", "median step s", "step CPU s", "median step CPU s", "sampling s",
+                        "trainer s", "trainer/checkpoint s (median)", "background writes s", "reward per step"],
+                       [[side, s["step_seconds"], s["median_step_seconds"], s["step_cpu_seconds"],
+                         s["median_step_cpu_seconds"], s["sample_seconds"], s["trainer_seconds"],
+                         s["median_stage_seconds"].get("trainer/checkpoint", 0.0),
+                         ", ".join(f"{x:.1f}" for x in s["background_write_seconds"]) or "none",
+                         " ".join(f"{x:.3f}" for x in s["rewards"])]
+                        for side, s in c["sides"].items() if "error" not in s])
+        lines += [f"- `{side}`: did not run: {s['error']}" for side, s in c["sides"].items() if "error" in s]
+    return lines
+
+
 def render_overlap(r: dict) -> list[str]:
     lines = [f"`configs/demo.toml` with overrides per workload, {r['steps']} steps per run, each a real `train` flow "
              "run; medians over the steady steps 2..steps-2. The bound is the stages before `train` + max(sampling "
@@ -285,7 +361,8 @@ def render_generic(r: dict) -> list[str]:
 
 
 RENDERERS = {"algorithms": render_algorithms, "trainer": render_trainer, "memory": render_memory, "io": render_io,
-             "step": render_step, "trl": render_trl, "overlap": render_overlap, "lora": render_lora}
+             "step": render_step, "trl": render_trl, "trl-real": render_trl_real, "overlap": render_overlap,
+             "lora": render_lora}
 
 
 def targets(results: dict) -> list[list]:
@@ -310,6 +387,23 @@ def targets(results: dict) -> list[list]:
         rows.append(["step speed-up, trace-rl on vLLM over TRL on transformers",
                      f"{pair['step_speedup']:.2f}x (CPU {pair['step_cpu_speedup']:.2f}x)", ">= 1x",
                      pair["step_speedup"] >= 1])
+    if (real := get("trl-real")) is not None:
+        wanted = {"trace-rl vllm vs trl hf": ("step speed-up on SmolLM2-135M, trace-rl on vLLM over TRL", 1.5),
+                  "hf": ("step speed-up on SmolLM2-135M, both transformers generate", 1.0)}
+        for pair, (label, target) in wanted.items():
+            if pair in real["ratios"]:
+                x = real["ratios"][pair]
+                rows.append([label, f"{x['step_speedup']:.2f}x (median {x['median_step_speedup']:.2f}x, CPU "
+                             f"{x['step_cpu_speedup']:.2f}x)", f">= {target}x", x["step_speedup"] >= target])
+        if "hf" in real["ratios"]:
+            x = real["ratios"]["hf"]
+            rows.append(["trainer tokens/s over TRL's on SmolLM2-135M", f"{x['trainer_tokens_per_s']:.2f}x "
+                         f"(median {x['median_trainer_tokens_per_s']:.2f}x)", ">= 1.2x", x["trainer_tokens_per_s"] >= 1.2])
+        for pair in ("trace-rl vllm vs trl hf", "hf"):
+            if pair in real["ratios"]:
+                x = real["ratios"][pair]
+                rows.append([f"peak RSS of all processes / TRL's on SmolLM2-135M ({pair})",
+                             f"{x['peak_tree_rss']:.2f}x", "<= 1x", x["peak_tree_rss"] <= 1])
     if (trainer := get("trainer")) is not None:
         ratio = trainer["trainer_seconds"] / trainer["bare_seconds"]
         rows.append(["trainer time / bare PyTorch loop", f"{ratio:.2f}x", "<= 1.2x", ratio <= 1.2])
