@@ -13,7 +13,8 @@ from trace_rl.trainer.loss import compute_loss
 T, F = True, False
 
 
-def run(lp, lp_inf, rl=None, ce=None, scales=None, **loss):
+def run(lp, lp_inf, rl=None, ce=None, scales=None, lengths=None, **loss):
+    """(loss, d loss / d lp, metrics) of `compute_loss` in float64; `lengths`: the sequences of the tokens."""
     lp = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
     n = len(lp)
     none = ([0.0] * n, [F] * n)
@@ -21,8 +22,9 @@ def run(lp, lp_inf, rl=None, ce=None, scales=None, **loss):
         name: (torch.tensor(v, dtype=torch.float64), torch.tensor(m)) for name, (v, m) in
         {"rl": rl or none, "ce": ce or none}.items()
     }
-    total, metrics = compute_loss(lp, torch.tensor(lp_inf, dtype=torch.float64), channels,
-                                  scales or {"rl": 1, "ce": 1}, LossConfig(**loss))
+    scales = scales or {"rl": 1, "ce": 1, "rl_sequences": 1, "ce_sequences": 1}
+    total, metrics = compute_loss(lp, torch.tensor(lp_inf, dtype=torch.float64), channels, scales, LossConfig(**loss),
+                                  sequence_lengths=lengths)
     total.backward()
     return total.item(), lp.grad.tolist(), {k: float(v) for k, v in metrics.items()}
 

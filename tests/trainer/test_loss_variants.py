@@ -8,26 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer.test_loss import F, T, run
 from trace_rl.config import LossConfig
 from trace_rl.trainer.loss import compute_loss
-
-T, F = True, False
 log = math.log
-
-
-def run(lp, lp_inf, rl=None, ce=None, scales=None, lengths=None, **loss):
-    lp = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
-    n = len(lp)
-    none = ([0.0] * n, [F] * n)
-    channels = {
-        name: (torch.tensor(v, dtype=torch.float64), torch.tensor(m)) for name, (v, m) in
-        {"rl": rl or none, "ce": ce or none}.items()
-    }
-    scales = scales or {"rl": 1, "ce": 1, "rl_sequences": 1, "ce_sequences": 1}
-    total, metrics = compute_loss(lp, torch.tensor(lp_inf, dtype=torch.float64), channels, scales, LossConfig(**loss),
-                                  sequence_lengths=lengths)
-    total.backward()
-    return total.item(), lp.grad.tolist(), {k: float(v) for k, v in metrics.items()}
 
 
 def ratios(r, q=0.1):
