@@ -58,7 +58,8 @@ def train_one_step(
     """Train on step `step`'s batch, checkpoint (with `extra_state`) and export weights; returns the step metrics.
 
     In-process, a given `trainer` is used as is (the caller keeps it warm between
-    steps); without one, a new Trainer restores the latest checkpoint first. With
+    steps); without one, a new Trainer restores the latest checkpoint first, and the step's checkpoint is
+    STABLE on return. With
     `config.trainer.uses_workers`, `trainer` is the run's `TrainerWorkers` (kept up between steps);
     without one, workers are started for this step alone.
     """
@@ -69,10 +70,14 @@ def train_one_step(
             return trainer.train(step, extra_state)
         with TrainerWorkers(config, storage) as workers:
             return workers.train(step, extra_state)
-    if trainer is None:
-        from trace_rl.trainer.trainer import Trainer
+    if trainer is not None:
+        return train_in_process(trainer, storage, step, extra_state)
+    from trace_rl.trainer.checkpoint import WRITER
+    from trace_rl.trainer.trainer import Trainer
 
-        trainer = Trainer(config, storage)
-        restored, _ = trainer.restore()
-        check_resumes_at(restored, step)
-    return train_in_process(trainer, storage, step, extra_state)
+    trainer = Trainer(config, storage)
+    restored, _ = trainer.restore()
+    check_resumes_at(restored, step)
+    metrics = train_in_process(trainer, storage, step, extra_state)
+    WRITER.wait()  # a trainer for this step alone: no later step overlaps its checkpoint write
+    return metrics
