@@ -19,7 +19,9 @@ def test_the_real_model_comparison_runs_on_the_tiny_model(monkeypatch):
     assert "error" not in ours and "error" not in theirs, result["sides"]
     for side in (ours, theirs):
         assert len(side["rewards"]) == 2 and side["sampling_tokens_per_s"] > 0 and side["trainer_tokens_per_s"] > 0
-        assert side["peak_tree_rss_mb"] >= side["peak_rss_mb"] * 0.9
+        # not compared with peak_rss_mb: a side's ru_maxrss starts from its launcher's (Linux keeps it across exec),
+        # which a long pytest session makes GBs
+        assert side["peak_tree_rss_mb"] > 0 and side["peak_rss_mb"] > 0
         assert 0 < side["completion_tokens_per_step"] < side["tokens_per_step"]
     assert theirs["mixed_precision"] == ("bf16" if trl.REAL["dtype"] == "bfloat16" else "no")
     # trace-rl's checkpoint of step 1 was written in the background, during its step 2; its synchronous cost measured
