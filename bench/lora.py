@@ -42,7 +42,7 @@ def lora_parameters(shape: dict, rank: int) -> int:
 
 
 def synthetic_batch(seed: int, vocabulary: int):
-    from trace_rl.tables import TrainingSample
+    from trace_rl.data.sample import TrainingSample
 
     rng = np.random.default_rng(seed)
     samples = []

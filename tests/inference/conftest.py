@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from trace_rl.data.sample import TrainingSample
 from trace_rl.models import load_tokenizer
 from trace_rl.storage import RunStorage
-from trace_rl.tables import TrainingSample
 from trace_rl.trainer.packing import collate
 from trace_rl.trainer.trainer import token_logprobs
 

@@ -10,37 +10,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.config import AlgorithmConfig
+from trace_rl.data.trace import Trace
 from trace_rl.imports import module_is_missing, not_on_path
 from trace_rl.names import Loss
 from trace_rl.options import option_problems
-from trace_rl.trace import Trace
 
-
-
-@dataclass(eq=False)
-class Channel:
-    """What one algorithm set on one branch: per-token `values` (float32) and `mask` (bool)."""
-
-    algorithm_id: str
-    loss: str
-    trace_id: str
-    branch_index: int
-    values: np.ndarray
-    mask: np.ndarray
-
-    def __repr__(self) -> str:
-        # short on purpose: Python 3.11's asyncio.run formats its main task, result included, on exit
-        return (
-            f"Channel({self.algorithm_id!r}, {self.loss!r}, trace {self.trace_id!r} branch {self.branch_index}, "
-            f"{int(np.count_nonzero(self.mask))}/{len(self.mask)} tokens masked)"
-        )
 
 
 class NoOptions(BaseModel):

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError, register
 from trace_rl.algorithms.signal import ok_traces
-from trace_rl.trace import Message, Trace
+from trace_rl.data.trace import Message, Trace
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -20,12 +20,12 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.config import SamplingConfig
+from trace_rl.data.trace import Message, Trace
 from trace_rl.errors import RetryableError
 from trace_rl.imports import module_is_missing, not_on_path
 from trace_rl.models import Generation, ModelRuntime
 from trace_rl.options import option_problems
 from trace_rl.render import Conversation, Renderer
-from trace_rl.trace import Message, Trace
 
 
 def derive_seed(*parts: int | str) -> int:

@@ -34,7 +34,7 @@ from trace_rl.models import ModelRuntime, RuntimeConfig, build_runtime
 from trace_rl.remote.wire import (
     PROTOCOL_VERSION, AlgorithmResult, ErrorReply, Health, RunReply, RunRequest, WireChannel,
 )
-from trace_rl.trace import TraceError
+from trace_rl.data.trace import TraceError
 
 log = logging.getLogger("trace_rl.env_server")
 
