@@ -23,7 +23,8 @@ import pyarrow as pa
 
 from trace_rl.config import Config, EnvConfig, EvalConfig
 from trace_rl.data.trace import Trace
-from trace_rl.envs.base import Environment, Example, Sampler, derive_seed, load_env
+from trace_rl.envs.base import Environment, Example, Sampler, derive_seed
+from trace_rl.envs.lookup import load_env
 from trace_rl.errors import RefusedError
 from trace_rl.names import POLICY
 from trace_rl.passk import avg_at_k, mean_pass_at_k, pass_k_values

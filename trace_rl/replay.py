@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from trace_rl.algorithms.base import AlgorithmConfig, resolve_algorithm_class, validate_options
+from trace_rl.algorithms.base import AlgorithmConfig, validate_options
+from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.data.sample import TrainingSample

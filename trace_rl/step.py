@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from trace_rl.algorithms.base import AlgorithmConfig, load_algorithm
+from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.algorithms.lookup import load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
 from trace_rl.data.channel import Channel

@@ -7,7 +7,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trace_rl.algorithms.base import REGISTRY, Algorithm, AlgorithmError, NoOptions, register
+from trace_rl.algorithms.base import Algorithm, AlgorithmError, NoOptions
+from trace_rl.algorithms.registry import REGISTRY, register
 from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
 from trace_rl.data.trace import Trace, group_traces
 

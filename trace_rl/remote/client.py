@@ -19,8 +19,9 @@ import httpx
 import numpy as np
 from pydantic import ValidationError
 
-from trace_rl.algorithms.base import AlgorithmConfig, resolve_algorithm_class
+from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.algorithms.gather import gather_or_cancel
+from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.config import EnvConfig, RemoteConfig
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Trace, group_traces
