@@ -65,7 +65,8 @@ def directory_bytes(path: str) -> int:
 def measure(variant: str, model_dir: str, storage_root: str) -> dict:
     from trace_rl.config import Config
     from trace_rl.inference.broadcast import broadcast_weights
-    from trace_rl.models import build_runtime, runtime_configs
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import runtime_configs
     from trace_rl.names import POLICY
     from trace_rl.storage import RunStorage
     from trace_rl.trainer.trainer import Trainer

@@ -78,7 +78,8 @@ def prompt_ids(tiny_model_path) -> list[int]:
 
 @pytest.fixture(scope="session")
 def hf_runtime(tiny_model_path):
-    from trace_rl.models import RuntimeConfig, build_runtime
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import RuntimeConfig
 
     return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
 
