@@ -20,7 +20,7 @@ import numpy as np
 from trace_rl.algorithms import load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
 from trace_rl.channels import aggregate
-from trace_rl.trace import Branch, Message, Trace
+from trace_rl.data.trace import Branch, Message, Trace
 from trace_rl.validate import validate_channels
 
 TARGET_TOKENS_PER_S = 20e6

@@ -100,7 +100,8 @@ def peak_rss_gb() -> float:
 
 def prompts(steps: int, per_step: int) -> list[list[dict]]:
     """The examples trace-rl's rollout loop draws at steps 1..`steps` (same seeds, same order)."""
-    from trace_rl.envs.base import derive_seed, load_env
+    from trace_rl.envs.base import derive_seed
+    from trace_rl.envs.lookup import load_env
 
     env = load_env(ENV, {})
     return [[e.data for e in env.examples(derive_seed(0, step, 0), per_step)] for step in range(1, steps + 1)]

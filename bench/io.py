@@ -93,7 +93,8 @@ def weight_broadcast(tmp: str, storages: dict[str, tuple[str, dict]], repeats: i
 
     from trace_rl.config import Config
     from trace_rl.inference.broadcast import broadcast_weights
-    from trace_rl.models import build_runtime, runtime_configs
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import runtime_configs
     from trace_rl.storage import RunStorage
     from trace_rl.tiny import cache_dir
     from trace_rl.trainer.trainer import Trainer

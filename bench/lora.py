@@ -42,7 +42,7 @@ def lora_parameters(shape: dict, rank: int) -> int:
 
 
 def synthetic_batch(seed: int, vocabulary: int):
-    from trace_rl.tables import TrainingSample
+    from trace_rl.data.sample import TrainingSample
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -65,7 +65,8 @@ def directory_bytes(path: str) -> int:
 def measure(variant: str, model_dir: str, storage_root: str) -> dict:
     from trace_rl.config import Config
     from trace_rl.inference.broadcast import broadcast_weights
-    from trace_rl.models import build_runtime, runtime_configs
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import runtime_configs
     from trace_rl.names import POLICY
     from trace_rl.storage import RunStorage
     from trace_rl.trainer.trainer import Trainer

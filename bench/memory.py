@@ -41,7 +41,7 @@ def peak_rss_mb() -> float:
 
 
 def samples(tokens: int, vocabulary: int, seed: int = 0) -> list:
-    from trace_rl.tables import TrainingSample
+    from trace_rl.data.sample import TrainingSample
 
     rng = np.random.default_rng(seed)
     length = tokens // SAMPLES_PER_BATCH

@@ -17,7 +17,8 @@ import asyncio
 import json
 import time
 
-from trace_rl.models import RuntimeConfig, build_runtime, load_tokenizer
+from trace_rl.inference.build import build_runtime
+from trace_rl.models import RuntimeConfig, load_tokenizer
 from trace_rl.tiny import build_tiny
 
 

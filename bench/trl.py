@@ -80,7 +80,8 @@ def peak_rss_mb() -> float:
 
 def step_examples(steps: int, workload: dict = REFERENCE) -> list[list[dict]]:
     """The examples trace-rl's rollout loop draws at steps 1..`steps` (same seeds, same order)."""
-    from trace_rl.envs.base import derive_seed, load_env
+    from trace_rl.envs.base import derive_seed
+    from trace_rl.envs.lookup import load_env
 
     env = load_env(workload["env"], {})
     seed = 0

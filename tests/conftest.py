@@ -117,7 +117,8 @@ def vllm_runtime(tiny_model_path):
     Tests that broadcast other weights into it load the tiny model's own weights back afterwards.
     """
     from trace_rl.inference.vllm_engine import shutdown_engines
-    from trace_rl.models import RuntimeConfig, build_runtime
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import RuntimeConfig
 
     yield build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
     shutdown_engines()
@@ -133,7 +134,8 @@ def vllm_lora_runtime(vllm_runtime, tiny_model_path):
     """The session's in-process vLLM engine with LoRA enabled (key `policy`, the tiny model); stopped with the
     shared one. Tests load the tiny model's own weights back (which drops the adapter) when done."""
     from trace_rl.config import LoraConfig
-    from trace_rl.models import RuntimeConfig, build_runtime
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import RuntimeConfig
 
     return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm",
                                        lora=LoraConfig(rank=LORA_RANK), **VLLM_ENGINE))

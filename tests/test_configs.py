@@ -54,7 +54,7 @@ def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, share
 
 
 def load_algorithm_loss(algorithm_id: str) -> str:
-    from trace_rl.algorithms.base import resolve_algorithm_class
+    from trace_rl.algorithms.lookup import resolve_algorithm_class
 
     return resolve_algorithm_class(algorithm_id).loss
 

@@ -8,11 +8,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from trace_rl.data.trace import Message, ToolCall, Trace
 from trace_rl.models import Generation
 from trace_rl.realistic import chat_template
 from trace_rl.render import Conversation, RenderError, Renderer
 from trace_rl.tiny import build_tokenizer
-from trace_rl.trace import Message, ToolCall, Trace
 
 QWEN_STYLE = chat_template()  # trace_rl/templates/qwen_style.jinja, also the realistic fixture's template
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]

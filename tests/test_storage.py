@@ -5,8 +5,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from trace_rl.data.sample import TrainingSample
 from trace_rl.storage import RunStorage
-from trace_rl.tables import TrainingSample, read_batch, read_traces, write_batch, write_traces
+from trace_rl.tables import read_batch, read_traces, write_batch, write_traces
 from tests.test_trace import make_branch, make_trace
 
 
@@ -169,7 +170,7 @@ def test_tables_are_readable_by_common_tools(tmp_path):
 def test_a_missing_or_mistyped_column_names_the_file_and_the_column(tmp_path):
     import pyarrow as pa
 
-    from trace_rl.algorithms.base import Channel
+    from trace_rl.data.channel import Channel
     from trace_rl.tables import TableError, channels_to_table, read_channels, samples_to_table, traces_to_table
 
     storage = RunStorage(str(tmp_path), "run")

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from trace_rl.trace import Branch, Message, Trace, TraceError, group_traces
+from trace_rl.data.trace import Branch, Message, Trace, TraceError, group_traces
 
 
 def make_branch(index=0, n=5, sampled_from=3, temperature=1.0):

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trace_rl.algorithms.base import Channel
-from trace_rl.tables import TrainingSample
-from trace_rl.trace import Trace
+from trace_rl.data.channel import Channel
+from trace_rl.data.sample import TrainingSample
+from trace_rl.data.trace import Trace
 
 
 def combine(channels: Sequence[Channel], tokens: int) -> tuple[np.ndarray, np.ndarray]:

@@ -26,7 +26,8 @@ from trace_rl.names import POLICY
 
 def models_in_use(config: Config) -> list[str]:
     """Model keys something in the run uses, the actor first, then the local algorithms' models in order."""
-    from trace_rl.algorithms.base import resolve_algorithm_class, validate_options
+    from trace_rl.algorithms.base import validate_options
+    from trace_rl.algorithms.lookup import resolve_algorithm_class
 
     used = [config.actor]
     for env in config.env:

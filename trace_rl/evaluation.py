@@ -22,7 +22,9 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from trace_rl.config import Config, EnvConfig, EvalConfig
-from trace_rl.envs.base import Environment, Example, Sampler, derive_seed, load_env
+from trace_rl.data.trace import Trace
+from trace_rl.envs.base import Environment, Example, Sampler, derive_seed
+from trace_rl.envs.lookup import load_env
 from trace_rl.errors import RefusedError
 from trace_rl.names import POLICY
 from trace_rl.passk import avg_at_k, mean_pass_at_k, pass_k_values
@@ -30,7 +32,6 @@ from trace_rl.rollouts import distinct_names, run_rollout
 from trace_rl.session import Session
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.tables import read_table, traces_to_table, write_table
-from trace_rl.trace import Trace
 
 EVAL_SEED = "eval"
 

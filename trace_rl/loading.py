@@ -16,7 +16,7 @@ from typing import Any
 from trace_rl.algorithms.check import check_algorithm, check_algorithms
 from trace_rl.colocation import check_colocation
 from trace_rl.config import AlgorithmConfig, Config, ConfigError, parse_config, read_config_data
-from trace_rl.envs.base import check_env, check_envs
+from trace_rl.envs.lookup import check_env, check_envs
 from trace_rl.hub import check_models
 from trace_rl.lora import check_lora
 from trace_rl.models import check_stop_tokens

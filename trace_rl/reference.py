@@ -15,7 +15,7 @@ import numpy as np
 
 from trace_rl.algorithms.gather import gather_or_cancel
 from trace_rl.config import Config
-from trace_rl.tables import TrainingSample
+from trace_rl.data.sample import TrainingSample
 
 
 class ReferenceScoringError(RuntimeError):

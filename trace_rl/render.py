@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from trace_rl.data.trace import Branch, Message
 from trace_rl.models import Generation
-from trace_rl.trace import Branch, Message
 
 SENTINELS = "\x00\x01\x02"
 WHITESPACE = re.compile(r"\s*")

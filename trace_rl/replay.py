@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from trace_rl.algorithms.base import AlgorithmConfig, resolve_algorithm_class, validate_options
+from trace_rl.algorithms.base import AlgorithmConfig, validate_options
+from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config, ConfigError, apply_override
+from trace_rl.data.sample import TrainingSample
 from trace_rl.errors import RefusedError
 from trace_rl.loading import validate_config
 from trace_rl.names import LOSS_NAMES, POLICY
@@ -24,7 +26,7 @@ from trace_rl.schedule import sampling_weights
 from trace_rl.session import Session
 from trace_rl.step import AlgorithmJob, algorithm_jobs, compute_channels
 from trace_rl.storage import RunStorage, check_wipe, overlap, step_name
-from trace_rl.tables import TrainingSample, read_batch, read_traces, write_batch, write_channels
+from trace_rl.tables import read_batch, read_traces, write_batch, write_channels
 from trace_rl.validate import validate_channels
 
 

@@ -29,10 +29,11 @@ from pydantic import BaseModel
 
 from trace_rl.algorithms.gather import gather_or_cancel
 from trace_rl.config import Config
-from trace_rl.envs.base import Environment, Example, Sampler, derive_seed, load_env
+from trace_rl.data.trace import Trace, TraceError, group_traces
+from trace_rl.envs.base import Environment, Example, Sampler, derive_seed
+from trace_rl.envs.lookup import load_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models import ModelRuntime
-from trace_rl.trace import Trace, TraceError, group_traces
 
 logger = logging.getLogger(__name__)
 MAX_LISTED_ERRORS = 20

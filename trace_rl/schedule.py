@@ -12,7 +12,7 @@ config alone, never on timing, which keeps runs, resumes and replays bitwise rep
 
 from __future__ import annotations
 
-from trace_rl.trace import Trace
+from trace_rl.data.trace import Trace
 
 
 class StaleTraceError(RuntimeError):

@@ -17,8 +17,9 @@ from typing import Any
 
 from trace_rl.colocation import models_in_use
 from trace_rl.config import Config
+from trace_rl.inference.build import BaseModelView, build_runtime
+from trace_rl.models import TORCH_STATE_LOCK, ModelRuntime, runtime_configs
 from trace_rl.names import POLICY
-from trace_rl.models import TORCH_STATE_LOCK, BaseModelView, ModelRuntime, build_runtime, runtime_configs
 from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
 

@@ -18,9 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm
+from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.algorithms.lookup import load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
+from trace_rl.data.channel import Channel
+from trace_rl.data.trace import Trace
 from trace_rl.models import TORCH_STATE_LOCK
 from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
@@ -28,7 +31,6 @@ from trace_rl.schedule import check_staleness, lag_metrics
 from trace_rl.session import Session
 from trace_rl.storage import step_name
 from trace_rl.tables import read_channels, read_traces, write_batch as write_batch_table, write_channels, write_traces
-from trace_rl.trace import Trace
 from trace_rl.validate import validate_channels
 
 

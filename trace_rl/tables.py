@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trace_rl.algorithms.base import Channel
+from trace_rl.data.channel import Channel
+from trace_rl.data.sample import SAMPLE_ARRAYS, TrainingSample
+from trace_rl.data.trace import ANNOTATIONS, TOKEN_ARRAYS, Branch, Trace
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage
-from trace_rl.trace import ANNOTATIONS, TOKEN_ARRAYS, Branch, Trace
 
 
 MESSAGE_TYPE = pa.struct(
@@ -150,36 +150,6 @@ def table_to_traces(table: pa.Table) -> list[Trace]:
     return list(traces.values())
 
 
-@dataclass(eq=False)
-class TrainingSample:
-    """One row of batch.parquet: a branch's tokens with its aggregated per-loss channels."""
-
-    trace_id: str
-    branch_index: int
-    env: str
-    input_ids: np.ndarray
-    temperature: float
-    sampled: np.ndarray  # bool per token: produced by the sampler (at `temperature`); else prompt/observation (at 1)
-    inference_logprobs: np.ndarray
-    rl_values: np.ndarray
-    rl_mask: np.ndarray
-    ce_values: np.ndarray
-    ce_mask: np.ndarray
-    # the [trainer.loss.kl] reference's logprobs of `input_ids` (its first 0), scored at `temperature` on sampled
-    # tokens; None without a KL penalty (the batch then has no such column)
-    ref_logprobs: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-_SAMPLE_DTYPES = {
-    "input_ids": np.int32, "sampled": np.bool_, "inference_logprobs": np.float32, "ref_logprobs": np.float32,
-    **{f"{loss}_{part}": (np.float32 if part == "values" else np.bool_) for loss in LOSS_NAMES
-       for part in ("values", "mask")},
-}
-
-
 def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
     """The batch table; `ref_logprobs` is a column only when the samples carry them (all or none)."""
     with_ref = [s.ref_logprobs is not None for s in samples]
@@ -188,8 +158,8 @@ def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
     schema = BATCH_SCHEMA if samples and all(with_ref) else BATCH_SCHEMA.remove(
         BATCH_SCHEMA.get_field_index("ref_logprobs"))
     rows = {
-        name: (list_column([np.asarray(getattr(s, name)) for s in samples], _SAMPLE_DTYPES[name])
-               if name in _SAMPLE_DTYPES else [getattr(s, name) for s in samples])
+        name: (list_column([np.asarray(getattr(s, name)) for s in samples], SAMPLE_ARRAYS[name])
+               if name in SAMPLE_ARRAYS else [getattr(s, name) for s in samples])
         for name in schema.names
     }
     return pa.Table.from_pydict(rows, schema=schema)
@@ -205,7 +175,7 @@ def table_to_samples(table: pa.Table) -> list[TrainingSample]:
     samples = []
     for row in range(table.num_rows):
         fields = {
-            name: (_array(col, row, _SAMPLE_DTYPES[name]) if name in _SAMPLE_DTYPES else col[row].as_py())
+            name: (_array(col, row, SAMPLE_ARRAYS[name]) if name in SAMPLE_ARRAYS else col[row].as_py())
             for name, col in columns.items()
         }
         samples.append(TrainingSample(**fields))

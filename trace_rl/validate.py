@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from trace_rl.algorithms.base import Channel
+from trace_rl.data.channel import Channel
+from trace_rl.data.trace import Branch, Trace
 from trace_rl.names import LOSS_NAMES
-from trace_rl.trace import Branch, Trace
 
 
 class DimensionError(ValueError):

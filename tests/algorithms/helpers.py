@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 
-from trace_rl.trace import Branch, Message, Trace
+from trace_rl.data.trace import Branch, Message, Trace
 
 
 def chat_branch(layout, index=0, temperature=1.0, logprob=-0.5):

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from trace_rl.algorithms.base import Channel
 from trace_rl.channels import aggregate, channel_stats
+from trace_rl.data.channel import Channel
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch, read_channels, write_batch, write_channels
 

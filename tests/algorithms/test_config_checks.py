@@ -58,7 +58,8 @@ BROKEN_MODULES = {
 @pytest.mark.parametrize("module", sorted(BROKEN_MODULES))
 def test_an_algorithm_module_that_fails_to_import_is_that_error_not_an_unknown_or_remote_one(
         module, tmp_path, monkeypatch):
-    from trace_rl.algorithms.base import AlgorithmError, load_algorithm
+    from trace_rl.algorithms.base import AlgorithmError
+    from trace_rl.algorithms.lookup import load_algorithm
     from trace_rl.config import AlgorithmConfig, EnvConfig
     from trace_rl.remote.client import remote_server_for
 

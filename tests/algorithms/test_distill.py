@@ -5,7 +5,7 @@ import pytest
 
 from trace_rl.algorithms import AlgorithmError, load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
-from trace_rl.trace import Branch, Trace
+from trace_rl.data.trace import Branch, Trace
 
 from tests.algorithms.helpers import run
 

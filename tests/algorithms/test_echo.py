@@ -4,7 +4,7 @@ import pytest
 from trace_rl.algorithms import AlgorithmError, load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
 from trace_rl.channels import aggregate
-from trace_rl.trace import Branch
+from trace_rl.data.trace import Branch
 
 from tests.algorithms.helpers import chat_branch, make_trace, run
 

@@ -3,7 +3,7 @@ import pytest
 
 from trace_rl.algorithms import AlgorithmError, load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
-from trace_rl.trace import Branch
+from trace_rl.data.trace import Branch
 
 from tests.algorithms.helpers import make_trace, reward_trace, run
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from trace_rl.algorithms.base import Channel
+from trace_rl.data.channel import Channel
 from trace_rl.validate import DimensionError, validate_channels
 
 from tests.algorithms.helpers import reward_trace

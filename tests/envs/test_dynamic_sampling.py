@@ -9,10 +9,10 @@ import random
 import pytest
 
 from trace_rl.config import Config, ConfigError
+from trace_rl.data.trace import Trace, group_traces
 from trace_rl.envs.base import Environment, Example, Sampler
 from trace_rl.loading import validate_config
 from trace_rl.rollouts import sample_rollouts
-from trace_rl.trace import Trace, group_traces
 
 ENV = "tests.envs.test_dynamic_sampling:Coin"
 

@@ -10,13 +10,13 @@ import pytest
 
 from tests.envs.conftest import ScriptedRuntime
 from trace_rl.config import SamplingConfig
+from trace_rl.data.trace import Trace
 from trace_rl.envs import EnvError, Environment, Sampler, load_env, resolve_env_class
 from trace_rl.envs.alphabet_sort import answer_lines
 from trace_rl.envs.similarity import similarity
 from trace_rl.envs.tool_calls import parse_tool_calls
 from trace_rl.render import Renderer
 from trace_rl.tiny import build_tokenizer
-from trace_rl.trace import Trace
 
 SAMPLING = SamplingConfig(temperature=0.9, max_completion_tokens=12)
 
@@ -207,7 +207,7 @@ def test_registry_and_args_errors():
     with pytest.raises(EnvError, match="module .no_such_module. was not found on sys.path"):
         resolve_env_class("no_such_module:Env")
     with pytest.raises(EnvError, match="not a trace_rl Environment"):
-        resolve_env_class("trace_rl.trace:Trace")
+        resolve_env_class("trace_rl.data.trace:Trace")
     with pytest.raises(EnvError, match=r"args.max_lenght: unknown key \(known keys: min_length, max_length"):
         load_env("reverse-text", {"max_lenght": 3})
     with pytest.raises(EnvError, match="min_length 5 > max_length 3"):

@@ -12,10 +12,10 @@ from pydantic import BaseModel
 
 from tests.envs.conftest import FailingRuntime
 from trace_rl.config import Config
+from trace_rl.data.trace import Message, TraceError, group_traces
 from trace_rl.envs.base import Environment, Example
 from trace_rl.errors import RetryableError
 from trace_rl.rollouts import RolloutError, sample_rollouts
-from trace_rl.trace import Message, TraceError, group_traces
 
 
 def make_config(**inference) -> Config:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from trace_rl.data.sample import TrainingSample
 from trace_rl.models import load_tokenizer
 from trace_rl.storage import RunStorage
-from trace_rl.tables import TrainingSample
 from trace_rl.trainer.packing import collate
 from trace_rl.trainer.trainer import token_logprobs
 
@@ -78,7 +78,8 @@ def prompt_ids(tiny_model_path) -> list[int]:
 
 @pytest.fixture(scope="session")
 def hf_runtime(tiny_model_path):
-    from trace_rl.models import RuntimeConfig, build_runtime
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models import RuntimeConfig
 
     return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
 

@@ -16,10 +16,11 @@ import time
 import pytest
 
 from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
-from trace_rl.loading import load_config
 from trace_rl.errors import EngineDeadError
+from trace_rl.inference.build import build_runtime
 from trace_rl.inference.vllm_engine import engine_arguments
-from trace_rl.models import RuntimeConfig, build_runtime
+from trace_rl.loading import load_config
+from trace_rl.models import RuntimeConfig
 
 pytestmark = pytest.mark.vllm
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")

@@ -17,7 +17,8 @@ from tests.conftest import LORA_RANK, free_port, wait_for_port
 from tests.inference.conftest import LORA_STEPS, peft_logprobs, trainer_logprobs
 from trace_rl.config import LoraConfig
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
-from trace_rl.models import BaseModelView, RuntimeConfig, build_runtime
+from trace_rl.inference.build import BaseModelView, build_runtime
+from trace_rl.models import RuntimeConfig
 
 TOLERANCE = 2e-4  # the full-weight samplers' tolerance (tests/inference/test_samplers.py)
 TEMPERATURE = 0.7

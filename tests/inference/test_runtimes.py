@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
-from trace_rl.loading import validate_config
+from trace_rl.inference.build import TokenlessRuntime, build_runtime
 from trace_rl.inference.hf import HFRuntime
-from trace_rl.models import RuntimeConfig, TokenlessRuntime, build_runtime, runtime_configs
+from trace_rl.loading import validate_config
+from trace_rl.models import RuntimeConfig, runtime_configs
 
 
 def test_runtime_configs_from_run_config():

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from trace_rl.algorithms.base import Algorithm, register
+from trace_rl.algorithms.base import Algorithm
 from trace_rl.algorithms.distill import OPD
-from trace_rl.envs.base import register_env
+from trace_rl.algorithms.registry import register
+from trace_rl.envs.registry import register_env
 from trace_rl.envs.reverse_text import ReverseText
 
 

@@ -10,8 +10,8 @@ import numpy as np
 from tests.algorithms.helpers import chat_branch, make_trace
 from tests.remote.conftest import auth
 from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.data.trace import Branch, Message, ToolCall, Trace
 from trace_rl.remote.wire import RunRequest, WireTrace
-from trace_rl.trace import Branch, Message, ToolCall, Trace
 
 # What a version-1 client sent before traces renamed `policy_version` to `policy_step`: written by the
 # client of commit b39e65f^ (RunRequest with `traces: list[dict]`, each `Trace.to_dict()`).

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from trace_rl.config import Config
+from trace_rl.data.sample import TrainingSample
 from trace_rl.storage import RunStorage
-from trace_rl.tables import TrainingSample
 
 VOCAB = 256  # byte tokens of the tiny model
 

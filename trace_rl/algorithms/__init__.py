@@ -1,12 +1,7 @@
 """Trace algorithms: per-token training signal from rewards and models."""
 
-from trace_rl.algorithms.base import (
-    REGISTRY,
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmError,
-    load_algorithm,
-    register,
-)
+from trace_rl.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmError
+from trace_rl.algorithms.lookup import load_algorithm
+from trace_rl.algorithms.registry import REGISTRY, register
 
 __all__ = ["REGISTRY", "Algorithm", "AlgorithmConfig", "AlgorithmError", "load_algorithm", "register"]

@@ -1,4 +1,4 @@
-"""The algorithm API: configs, the base class and the registry.
+"""The algorithm API: the base class, its options and its errors.
 
 An algorithm receives one group of traces (all rollouts of one example of one env)
 and, on each branch it trains, sets `branch.advantages` (float32, one per token) and
@@ -8,39 +8,15 @@ and, on each branch it trains, sets `branch.advantages` (float32, one per token)
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.config import AlgorithmConfig
-from trace_rl.imports import module_is_missing, not_on_path
+from trace_rl.data.trace import Trace
 from trace_rl.names import Loss
 from trace_rl.options import option_problems
-from trace_rl.trace import Trace
-
-
-
-@dataclass(eq=False)
-class Channel:
-    """What one algorithm set on one branch: per-token `values` (float32) and `mask` (bool)."""
-
-    algorithm_id: str
-    loss: str
-    trace_id: str
-    branch_index: int
-    values: np.ndarray
-    mask: np.ndarray
-
-    def __repr__(self) -> str:
-        # short on purpose: Python 3.11's asyncio.run formats its main task, result included, on exit
-        return (
-            f"Channel({self.algorithm_id!r}, {self.loss!r}, trace {self.trace_id!r} branch {self.branch_index}, "
-            f"{int(np.count_nonzero(self.mask))}/{len(self.mask)} tokens masked)"
-        )
 
 
 class NoOptions(BaseModel):
@@ -101,66 +77,3 @@ def validate_options(cls: type[Algorithm], config: AlgorithmConfig) -> BaseModel
     except ValidationError as exc:
         problems = option_problems(exc, cls.Options)
         raise AlgorithmError(f"algorithm {config.id!r}: " + "; ".join(problems)) from None
-
-
-REGISTRY: dict[str, type[Algorithm]] = {}
-
-
-def register(algorithm_id: str):
-    """Class decorator adding an algorithm to the registry under `algorithm_id`."""
-
-    def add(cls: type[Algorithm]) -> type[Algorithm]:
-        if algorithm_id in REGISTRY and REGISTRY[algorithm_id] is not cls:
-            raise AlgorithmError(f"algorithm id {algorithm_id!r} is already registered")
-        REGISTRY[algorithm_id] = cls
-        return cls
-
-    return add
-
-
-def is_import_path(algorithm_id: str) -> bool:
-    return ":" in algorithm_id
-
-
-def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
-    """The class for a builtin/registered id or a `package.module:ClassName` path; None if unknown here (no
-    such id, or the module itself does not exist: an env server may know it). A module that exists but fails
-    to import (a missing dependency, an error inside it), or lacks the class, raises AlgorithmError naming
-    the module and the original error: it is never taken for an unknown, remote algorithm."""
-    import trace_rl.algorithms.builtins  # noqa: F401  (registers the builtins)
-
-    if algorithm_id in REGISTRY:
-        return REGISTRY[algorithm_id]
-    if not is_import_path(algorithm_id):
-        return None
-    module_name, _, attr = algorithm_id.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if module_is_missing(module_name, exc):
-            return None  # the module itself is not here
-        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
-                             f"{type(exc).__name__}: {exc}; install the missing package or fix the module") from exc
-    except Exception as exc:  # an ImportError or any error raised while the module runs
-        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
-                             f"{type(exc).__name__}: {exc}; fix the module or install its dependencies") from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise AlgorithmError(f"algorithm {algorithm_id!r}: module {module_name!r} has no attribute {attr!r}; "
-                             "check the class name after ':'")
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise AlgorithmError(f"{algorithm_id!r} is not a trace_rl Algorithm subclass")
-    return cls
-
-
-def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm:
-    config = AlgorithmConfig.parse(spec)
-    cls = resolve_algorithm_class(config.id)
-    if cls is None and is_import_path(config.id):
-        raise AlgorithmError(f"algorithm {config.id!r}: {not_on_path(config.id.partition(':')[0])}")
-    if cls is None:
-        raise AlgorithmError(
-            f"unknown algorithm {config.id!r}; builtin ids: {', '.join(sorted(REGISTRY))}, "
-            "or give an import path 'package.module:ClassName'"
-        )
-    return cls(config)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from trace_rl.algorithms.base import (
-    REGISTRY,
-    AlgorithmError,
-    is_import_path,
-    resolve_algorithm_class,
-    validate_options,
-)
+from trace_rl.algorithms.base import AlgorithmError, validate_options
+from trace_rl.algorithms.lookup import is_import_path, resolve_algorithm_class
+from trace_rl.algorithms.registry import REGISTRY
 from trace_rl.config import AlgorithmConfig, Config
 from trace_rl.imports import not_on_path
 from trace_rl.names import POLICY

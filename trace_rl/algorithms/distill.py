@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trace_rl.algorithms.base import Algorithm, AlgorithmError, register
-from trace_rl.names import POLICY
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.algorithms.gather import gather_or_cancel
+from trace_rl.algorithms.registry import register
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
-from trace_rl.trace import Branch, Trace
+from trace_rl.data.trace import Branch, Trace
+from trace_rl.names import POLICY
 
 
 class DistillOptions(BaseModel):

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trace_rl.algorithms.base import Algorithm, AlgorithmError, register
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
+from trace_rl.algorithms.registry import register
 from trace_rl.algorithms.signal import ok_traces
-from trace_rl.trace import Message, Trace
+from trace_rl.data.trace import Message, Trace
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -8,9 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.algorithms.base import Algorithm, AlgorithmError, register
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
+from trace_rl.algorithms.registry import register
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
-from trace_rl.trace import Trace
+from trace_rl.data.trace import Trace
 
 
 class RAEOptions(BaseModel):

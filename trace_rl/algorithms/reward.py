@@ -7,9 +7,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trace_rl.algorithms.base import REGISTRY, Algorithm, AlgorithmError, NoOptions, register
+from trace_rl.algorithms.base import Algorithm, AlgorithmError, NoOptions
+from trace_rl.algorithms.registry import REGISTRY, register
 from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
-from trace_rl.trace import Trace, group_traces
+from trace_rl.data.trace import Trace, group_traces
 
 
 def set_trace_advantages(traces: list[Trace], advantages: np.ndarray) -> None:

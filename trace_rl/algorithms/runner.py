@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from trace_rl.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmError, Channel, load_algorithm
+from trace_rl.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmError
 from trace_rl.algorithms.gather import gather_or_cancel
-from trace_rl.trace import Trace, group_traces
+from trace_rl.algorithms.lookup import load_algorithm
+from trace_rl.data.channel import Channel
+from trace_rl.data.trace import Trace, group_traces
 
 
 def clear(traces: list[Trace]) -> None:

@@ -6,10 +6,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.algorithms.base import Algorithm, register
-from trace_rl.names import POLICY
+from trace_rl.algorithms.base import Algorithm
+from trace_rl.algorithms.registry import register
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
-from trace_rl.trace import Trace
+from trace_rl.data.trace import Trace
+from trace_rl.names import POLICY
 
 
 class SFTOptions(BaseModel):

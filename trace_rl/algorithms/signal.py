@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trace_rl.trace import Branch, Trace
+from trace_rl.data.trace import Branch, Trace
 
 
 def ok_traces(traces: list[Trace]) -> list[Trace]:

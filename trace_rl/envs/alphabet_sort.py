@@ -12,9 +12,10 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trace_rl.envs.base import Environment, Example, Sampler, register_env
+from trace_rl.data.trace import Message, Trace
+from trace_rl.envs.base import Environment, Example, Sampler
+from trace_rl.envs.registry import register_env
 from trace_rl.envs.similarity import similarity
-from trace_rl.trace import Message, Trace
 
 NAMES = (
     "Ada", "Alan", "Ann", "Ben", "Bea", "Cal", "Cleo", "Dan", "Dora", "Eli", "Emma", "Finn", "Faye", "Gus", "Gia",

@@ -1,10 +1,10 @@
-"""The environment API: examples, the sampler a rollout uses, traces, and the registry.
+"""The environment API: examples, the sampler a rollout uses, the base class, its args and its errors.
 
 An environment yields examples deterministically from a seed (no downloads) and runs one
 rollout of one example with a `Sampler`, returning one scored `Trace` per agent (`reward`,
 named `rewards`, `metrics`, `info` such as the `answer`). The rollout loop fills in trace and
-group ids and the policy version. Environments are registered by id (`@register_env`) or
-loaded from an import path `package.module:ClassName`.
+group ids and the policy version. Environments are registered by id (`@register_env`,
+trace_rl.envs.registry) or loaded from an import path `package.module:ClassName` (trace_rl.envs.lookup).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.config import SamplingConfig
+from trace_rl.data.trace import Message, Trace
 from trace_rl.errors import RetryableError
 from trace_rl.imports import module_is_missing, not_on_path
 from trace_rl.models import Generation, ModelRuntime
 from trace_rl.options import option_problems
 from trace_rl.render import Conversation, Renderer
-from trace_rl.trace import Message, Trace
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -147,19 +147,6 @@ def validate_args(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
         raise EnvError(f"env {cls.id!r}: " + "; ".join(option_problems(exc, cls.Args, "args."))) from None
 
 
-ENVIRONMENTS: dict[str, type[Environment]] = {}
-
-
-def register_env(cls: type[Environment]) -> type[Environment]:
-    """Class decorator adding an environment to the registry under its `id`."""
-    if not cls.id:
-        raise EnvError(f"{cls.__name__} needs a class attribute `id` to be registered")
-    if ENVIRONMENTS.get(cls.id, cls) is not cls:
-        raise EnvError(f"environment id {cls.id!r} is already registered")
-    ENVIRONMENTS[cls.id] = cls
-    return cls
-
-
 def import_named(path: str, what: str) -> Any:
     """The object a `package.module:name` path names; an EnvError naming `what` when it cannot be imported."""
     module_name, _, name = path.partition(":")
@@ -171,45 +158,3 @@ def import_named(path: str, what: str) -> Any:
         raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
     except Exception as exc:  # noqa: BLE001 - an ImportError, a missing name, or an error the module raised
         raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
-
-
-def resolve_env_class(env_id: str) -> type[Environment]:
-    """The class for a registered id or a `package.module:ClassName` import path."""
-    import trace_rl.envs.builtins  # noqa: F401  (registers the builtins)
-
-    if env_id in ENVIRONMENTS:
-        return ENVIRONMENTS[env_id]
-    if ":" not in env_id:
-        known = ", ".join(sorted(ENVIRONMENTS))
-        raise EnvError(f"unknown env id {env_id!r}; use a builtin ({known}) or an import path 'package.module:Class'")
-    cls = import_named(env_id, "env")
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise EnvError(f"env {env_id!r} is not a trace_rl Environment subclass")
-    return cls
-
-
-def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
-    return resolve_env_class(env_id)(args)
-
-
-def check_envs(config) -> list[str]:
-    """Config-time check of every `[[env]]` and `[[eval.envs]]` (run by `trace_rl.loading.check_config`): a known
-    id, valid `args` and whatever else the env checks (`Environment.check`)."""
-    where = [(f"env.{i}", env) for i, env in enumerate(config.env)]
-    if config.eval is not None:
-        where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
-    problems = []
-    for name, env in where:
-        problems += check_env(name, env.id, env.args)
-    return problems
-
-
-def check_env(where: str, env_id: str, args: Mapping[str, Any]) -> list[str]:
-    """The problems of one env entry: a known id and valid `args` (also run on the entries of a config whose
-    schema failed, `trace_rl.loading`)."""
-    try:
-        cls = resolve_env_class(env_id)
-        cls.check(validate_args(cls, dict(args)))
-    except EnvError as exc:
-        return [f"{where}: {exc}"]
-    return []

@@ -24,9 +24,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed, register_env
+from trace_rl.data.trace import Message, Trace
+from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed
+from trace_rl.envs.registry import register_env
 from trace_rl.envs.rewards import load_reward
-from trace_rl.trace import Message, Trace
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
 

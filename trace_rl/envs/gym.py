@@ -16,8 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.envs.base import EnvError, Environment, Example, Sampler, register_env
-from trace_rl.trace import Message, Trace
+from trace_rl.data.trace import Message, Trace
+from trace_rl.envs.base import EnvError, Environment, Example, Sampler
+from trace_rl.envs.registry import register_env
 
 SYSTEM_PROMPT = ("Answer the question. Think step by step if you need to, then give only the final answer as "
                  "<answer>answer here</answer>.")

@@ -17,9 +17,10 @@ from collections import deque
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trace_rl.envs.base import Environment, Example, Sampler, register_env
+from trace_rl.data.trace import Message, ToolCall, Trace
+from trace_rl.envs.base import Environment, Example, Sampler
+from trace_rl.envs.registry import register_env
 from trace_rl.envs.tool_calls import parse_tool_calls
-from trace_rl.trace import Message, ToolCall, Trace
 
 WORDS = (
     "oak", "elm", "fig", "ash", "bay", "ivy", "yew", "rye", "kelp", "moss", "fern", "sage", "reed", "lime", "pine",

@@ -14,8 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.envs.base import Environment, Example, Sampler, register_env
-from trace_rl.trace import Message, Trace
+from trace_rl.data.trace import Message, Trace
+from trace_rl.envs.base import Environment, Example, Sampler
+from trace_rl.envs.registry import register_env
 
 SEATS = ("player_a", "player_b")
 INTEGER = re.compile(r"-?\d+")

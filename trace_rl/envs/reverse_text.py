@@ -12,9 +12,10 @@ import string
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trace_rl.envs.base import Environment, Example, Sampler, register_env
+from trace_rl.data.trace import Message, Trace
+from trace_rl.envs.base import Environment, Example, Sampler
+from trace_rl.envs.registry import register_env
 from trace_rl.envs.similarity import similarity
-from trace_rl.trace import Message, Trace
 
 
 class ReverseTextArgs(BaseModel):

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from trace_rl.trace import Message, ToolCall
+from trace_rl.data.trace import Message, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)

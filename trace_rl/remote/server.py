@@ -28,13 +28,15 @@ from pathlib import Path
 from fastapi import FastAPI, Request, Response
 from pydantic import ValidationError
 
-from trace_rl.algorithms.base import REGISTRY, Algorithm, AlgorithmError
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
+from trace_rl.algorithms.registry import REGISTRY
 from trace_rl.algorithms.runner import load_algorithms, run_algorithms
-from trace_rl.models import ModelRuntime, RuntimeConfig, build_runtime
+from trace_rl.inference.build import build_runtime
+from trace_rl.models import ModelRuntime, RuntimeConfig
 from trace_rl.remote.wire import (
     PROTOCOL_VERSION, AlgorithmResult, ErrorReply, Health, RunReply, RunRequest, WireChannel,
 )
-from trace_rl.trace import TraceError
+from trace_rl.data.trace import TraceError
 
 log = logging.getLogger("trace_rl.env_server")
 
@@ -140,9 +142,10 @@ def import_allowed(entries: list[str]) -> Allowed:
     `module` allows every algorithm and env the module registers when imported; `module:Class` allows that
     one class (an Algorithm, by its registered id and by the path; or an env, listed by `/health`).
     """
-    import trace_rl.algorithms.builtins  # noqa: F401
-    import trace_rl.envs.builtins  # noqa: F401
-    from trace_rl.envs.base import ENVIRONMENTS, Environment
+    import trace_rl.algorithms.lookup  # noqa: F401  (registers the builtin algorithms)
+    import trace_rl.envs.lookup  # noqa: F401  (registers the builtin envs)
+    from trace_rl.envs.base import Environment
+    from trace_rl.envs.registry import ENVIRONMENTS
 
     builtin_algorithms, builtin_envs = dict(REGISTRY), dict(ENVIRONMENTS)
     if os.getcwd() not in sys.path:  # like `python -m`: modules next to where the server starts are importable

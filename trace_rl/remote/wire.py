@@ -20,9 +20,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from trace_rl.algorithms.base import AlgorithmConfig, Channel
+from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.data.channel import Channel
+from trace_rl.data.trace import Message, Trace
 from trace_rl.models import RuntimeConfig
-from trace_rl.trace import Message, Trace
 
 PROTOCOL_VERSION = 1
 
@@ -40,7 +41,7 @@ class Health(Wire):
 
 
 class WireBranch(Wire):
-    """One branch: its per-token arrays as lists of one length (see trace_rl.trace), annotations null if unset."""
+    """One branch: its per-token arrays as lists of one length (see trace_rl.data.trace), annotations null if unset."""
 
     index: int = 0
     temperature: float = 1.0

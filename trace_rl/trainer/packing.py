@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trace_rl.data.sample import TrainingSample
 from trace_rl.names import LOSS_NAMES
-from trace_rl.tables import TrainingSample
 
 CHANNEL_FIELDS = ("inference_logprobs", *(f"{loss}_{part}" for loss in LOSS_NAMES for part in ("values", "mask")))
 TOKEN_FIELDS = ("input_ids", "sampled", *CHANNEL_FIELDS)

@@ -1,0 +1,67 @@
+"""Finding an algorithm by id: a builtin or registered id, or an import path `package.module:ClassName`.
+
+Importing this module imports every builtin algorithm, so each has registered its ids.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+# the builtins: importing each registers its ids
+import trace_rl.algorithms.distill  # noqa: F401
+import trace_rl.algorithms.echo  # noqa: F401
+import trace_rl.algorithms.rae  # noqa: F401
+import trace_rl.algorithms.reward  # noqa: F401
+import trace_rl.algorithms.sft  # noqa: F401
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
+from trace_rl.algorithms.registry import REGISTRY
+from trace_rl.config import AlgorithmConfig
+from trace_rl.imports import module_is_missing, not_on_path
+
+
+def is_import_path(algorithm_id: str) -> bool:
+    return ":" in algorithm_id
+
+
+def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
+    """The class for a builtin/registered id or a `package.module:ClassName` path; None if unknown here (no
+    such id, or the module itself does not exist: an env server may know it). A module that exists but fails
+    to import (a missing dependency, an error inside it), or lacks the class, raises AlgorithmError naming
+    the module and the original error: it is never taken for an unknown, remote algorithm."""
+    if algorithm_id in REGISTRY:
+        return REGISTRY[algorithm_id]
+    if not is_import_path(algorithm_id):
+        return None
+    module_name, _, attr = algorithm_id.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if module_is_missing(module_name, exc):
+            return None  # the module itself is not here
+        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
+                             f"{type(exc).__name__}: {exc}; install the missing package or fix the module") from exc
+    except Exception as exc:  # an ImportError or any error raised while the module runs
+        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
+                             f"{type(exc).__name__}: {exc}; fix the module or install its dependencies") from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise AlgorithmError(f"algorithm {algorithm_id!r}: module {module_name!r} has no attribute {attr!r}; "
+                             "check the class name after ':'")
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise AlgorithmError(f"{algorithm_id!r} is not a trace_rl Algorithm subclass")
+    return cls
+
+
+def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm:
+    config = AlgorithmConfig.parse(spec)
+    cls = resolve_algorithm_class(config.id)
+    if cls is None and is_import_path(config.id):
+        raise AlgorithmError(f"algorithm {config.id!r}: {not_on_path(config.id.partition(':')[0])}")
+    if cls is None:
+        raise AlgorithmError(
+            f"unknown algorithm {config.id!r}; builtin ids: {', '.join(sorted(REGISTRY))}, "
+            "or give an import path 'package.module:ClassName'"
+        )
+    return cls(config)

@@ -1,0 +1,60 @@
+"""Finding an environment by id: a builtin or registered id, or an import path `package.module:ClassName`;
+and the config-time checks of a run's envs.
+
+Importing this module imports every builtin environment, so each has registered its id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# the builtins: importing each registers its id
+import trace_rl.envs.alphabet_sort  # noqa: F401
+import trace_rl.envs.dataset  # noqa: F401
+import trace_rl.envs.gym  # noqa: F401
+import trace_rl.envs.link_nav  # noqa: F401
+import trace_rl.envs.number_debate  # noqa: F401
+import trace_rl.envs.reverse_text  # noqa: F401
+from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
+from trace_rl.envs.registry import ENVIRONMENTS
+
+
+def resolve_env_class(env_id: str) -> type[Environment]:
+    """The class for a registered id or a `package.module:ClassName` import path."""
+    if env_id in ENVIRONMENTS:
+        return ENVIRONMENTS[env_id]
+    if ":" not in env_id:
+        known = ", ".join(sorted(ENVIRONMENTS))
+        raise EnvError(f"unknown env id {env_id!r}; use a builtin ({known}) or an import path 'package.module:Class'")
+    cls = import_named(env_id, "env")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise EnvError(f"env {env_id!r} is not a trace_rl Environment subclass")
+    return cls
+
+
+def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
+    return resolve_env_class(env_id)(args)
+
+
+def check_envs(config) -> list[str]:
+    """Config-time check of every `[[env]]` and `[[eval.envs]]` (run by `trace_rl.loading.check_config`): a known
+    id, valid `args` and whatever else the env checks (`Environment.check`)."""
+    where = [(f"env.{i}", env) for i, env in enumerate(config.env)]
+    if config.eval is not None:
+        where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
+    problems = []
+    for name, env in where:
+        problems += check_env(name, env.id, env.args)
+    return problems
+
+
+def check_env(where: str, env_id: str, args: Mapping[str, Any]) -> list[str]:
+    """The problems of one env entry: a known id and valid `args` (also run on the entries of a config whose
+    schema failed, `trace_rl.loading`)."""
+    try:
+        cls = resolve_env_class(env_id)
+        cls.check(validate_args(cls, dict(args)))
+    except EnvError as exc:
+        return [f"{where}: {exc}"]
+    return []
