@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from trace_rl.algorithms.base import AlgorithmConfig, Channel, load_algorithm
 from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
-from trace_rl.models import TORCH_STATE_LOCK
 from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
 from trace_rl.schedule import check_staleness, lag_metrics
@@ -177,26 +176,17 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
     Idempotent: when the process died after the checkpoint of `step` became STABLE, the step
     is not trained again; missing weights are exported from that checkpoint.
     """
-    from trace_rl.trainer.run import train_one_step
-
     storage = session.storage
     weights = storage.path("weights", step_name(step))
     metrics_path = storage.step_path(step, "train_metrics.json")
     if step in storage.stable_steps("checkpoints"):
         if not storage.is_stable(weights):
-            from trace_rl.trainer.trainer import Trainer
-
-            with TORCH_STATE_LOCK:
-                trainer = Trainer(session.config, storage)
-                trainer.restore()
-            trainer.export_weights(step)
+            session.trainer.export_weights(step)
         metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
     states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
     run_sync(session.sleep_engines())
-    metrics = train_one_step(session.config, storage, step, trainer=session.trainer_at(step),
-                             extra_state={"algorithms": states})
-    session.trained(step)
+    metrics = session.trainer.train(step, extra_state={"algorithms": states})
     storage.write_json(metrics_path, metrics)
     return {"weights": weights, "metrics": metrics}
 
