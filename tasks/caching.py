@@ -15,8 +15,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
 from trace_rl import credentials
-from trace_rl.config import Config
-from trace_rl.session import config_hash
+from trace_rl.config import Config, config_hash
 from trace_rl.storage import RunStorage, step_name
 
 

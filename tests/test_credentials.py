@@ -10,9 +10,8 @@ import tomllib
 import pytest
 from pydantic import SecretStr
 
-from trace_rl.config import Config, config_to_toml, parse_config
+from trace_rl.config import Config, config_hash, config_to_toml, parse_config
 from trace_rl.credentials import REVEAL, CredentialError, is_credential_key
-from trace_rl.session import config_hash
 from trace_rl.storage import RunStorage
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY-SECRET"

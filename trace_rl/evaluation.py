@@ -28,15 +28,11 @@ from trace_rl.names import POLICY
 from trace_rl.passk import avg_at_k, mean_pass_at_k, pass_k_values
 from trace_rl.rollouts import distinct_names, run_rollout
 from trace_rl.session import Session
-from trace_rl.storage import RunStorage, step_name
+from trace_rl.storage import RunStorage, eval_dir, step_name
 from trace_rl.tables import read_table, traces_to_table, write_table
 from trace_rl.trace import Trace
 
 EVAL_SEED = "eval"
-
-
-def eval_dir(storage: RunStorage, step: int) -> str:
-    return storage.path("eval", f"step_{step_name(step)}")
 
 
 def evaluates_at(config: Config, step: int) -> bool:

@@ -8,27 +8,18 @@ restores the checkpoint of step `s - 1` before training step `s` (`trace_rl.trai
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from trace_rl.colocation import models_in_use
-from trace_rl.config import Config
+from trace_rl.config import Config, config_hash
 from trace_rl.names import POLICY
 from trace_rl.models import TORCH_STATE_LOCK, BaseModelView, ModelRuntime, build_runtime, runtime_configs
 from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.lifecycle import RunTrainer
-
-
-def config_hash(config: Config) -> str:
-    """What a step's outputs depend on: the whole config except the step count, the Prefect server, eval and
-    tracking (neither changes what a training step computes)."""
-    data = config.model_dump(mode="json", exclude={"steps", "prefect", "eval", "logging"})
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class LazyRuntimes(Mapping):
@@ -159,3 +150,9 @@ def session_for(config: Config) -> Session:
             threading.Thread(target=evicted.trainer.stop, name="release-trainer", daemon=True).start()
         _SESSIONS[key] = Session(config)
     return _SESSIONS[key]
+
+
+def finish_checkpoint_writes() -> None:
+    """Return once the checkpoints this process's trainers write in the background are written."""
+    for session in list(_SESSIONS.values()):
+        session.trainer.finish_checkpoint_write()
