@@ -48,7 +48,7 @@ def check_eval(config: Config, step: int) -> None:
     if config.eval is None:
         raise RefusedError(f"{config.name}: the run's config has no [eval] section; add one with --set, e.g. "
                            "--set 'eval={envs=[{id=\"reverse-text\"}]}' (docs/eval.md)")
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     if step < 0 or (step > 0 and not storage.is_stable(storage.path("weights", step_name(step)))):
         done = storage.stable_steps("weights")
         raise RefusedError(f"--step {step}: {storage.url} has no finished weights of that step; use 0 (the base "

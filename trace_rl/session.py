@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from trace_rl.colocation import models_in_use
 from trace_rl.config import Config, config_hash
@@ -59,12 +58,11 @@ class LazyRuntimes(Mapping):
 class Session:
     def __init__(self, config: Config):
         self.config = config
-        self.storage = RunStorage(config.storage, config.name, config.storage_options)
+        self.storage = RunStorage.of(config)
         self.runtimes = LazyRuntimes(config)
         self.uses_policy = POLICY in models_in_use(config)  # else no policy engine is started, nor reloaded
         self.trainer = RunTrainer(config, self.storage)  # kept warm between steps
         self._policy_step: int | None = None
-        self.cache: dict[Any, Any] = {}
 
     async def models_at(self, step: int) -> LazyRuntimes:
         """The runtimes, awake, with the policy (if built or the actor) sampling the weights that step `step` uses."""
@@ -135,12 +133,12 @@ class Session:
 # most recently used runs only (an evicted run's trainer workers are stopped). An evicted run that steps again
 # rebuilds its session from storage.
 MAX_SESSIONS = 2
-_SESSIONS: OrderedDict[tuple[str, str], Session] = OrderedDict()
+_SESSIONS: OrderedDict[str, Session] = OrderedDict()
 
 
 def session_for(config: Config) -> Session:
     """The process's session for this run and config (one warm sampler and trainer per process)."""
-    key = (RunStorage(config.storage, config.name, config.storage_options).url, config_hash(config))
+    key = config_hash(config)  # of the whole config but what a step does not depend on: storage and name too
     if key in _SESSIONS:
         _SESSIONS.move_to_end(key)
     else:
