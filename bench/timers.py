@@ -22,6 +22,8 @@ STORAGE_FUNCTIONS = (
     ("trace_rl.step", "read_traces", "io/read_traces"),
     ("trace_rl.step", "write_channels", "io/write_channels"),
     ("trace_rl.step", "read_channels", "io/read_channels"),
+    ("trace_rl.step", "write_samples", "io/write_aggregated"),
+    ("trace_rl.step", "read_samples", "io/read_aggregated"),
     ("trace_rl.step", "write_batch_table", "io/write_batch"),
     ("trace_rl.trainer.lifecycle", "read_batch", "io/read_batch"),
 )
