@@ -65,6 +65,10 @@ class RunTrainer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        if self._trainer is not None and not self.config.trainer.uses_workers:
+            from trace_rl.trainer.checkpoint import WRITER
+
+            WRITER.wait()  # the error of a failed background write of a step this block trained is raised here
 
     def at(self, step: int):
         """The trainer that trains `step`: the run's `TrainerWorkers` (they restore or restart themselves and check
@@ -114,16 +118,12 @@ class RunTrainer:
             WRITER.join()
 
     def stop(self) -> None:
-        """Stop the run's torchrun workers, or wait for the in-process trainer's background checkpoint write (and
-        raise its error)."""
-        if self._trainer is None:
-            return
+        """Stop the run's torchrun workers, or wait for the in-process trainer's background checkpoint write."""
         if self.config.trainer.uses_workers:
-            self._trainer.stop()
+            if self._trainer is not None:
+                self._trainer.stop()
         else:
-            from trace_rl.trainer.checkpoint import WRITER
-
-            WRITER.wait()
+            self.finish_checkpoint_write()
 
 
 def train_one_step(config: Config, storage: RunStorage, step: int, trainer=None,
