@@ -106,7 +106,7 @@ def weight_broadcast(tmp: str, storages: dict[str, tuple[str, dict]], repeats: i
     for where, (url, options) in storages.items():
         config = Config(name="bench-io-weights", storage=url, storage_options=options, env=[{"id": "bench"}],
                         model={"name": model_dir}, inference={"backend": "hf"})
-        storage = RunStorage(config.storage, config.name, config.storage_options)
+        storage = RunStorage.of(config)
         trainer = Trainer(config, storage)
         runtime = runtime or build_runtime(runtime_configs(config)["policy"])
         step = iter(range(1, 10**6))

@@ -75,7 +75,7 @@ def measure(variant: str, model_dir: str, storage_root: str) -> dict:
     config = Config(name=variant, storage=storage_root, env=[{"id": "reverse-text"}], model=model,
                     inference={"backend": "vllm", "max_model_len": 256, "cpu_kv_cache_gb": 0.25},
                     trainer={"lr": 1e-3, "device": "cpu", "micro_batch_tokens": 512})
-    storage = RunStorage(config.storage, config.name)
+    storage = RunStorage.of(config)
     trainer = Trainer(config, storage)
     runtime = build_runtime(runtime_configs(config)[POLICY])
     vocabulary = len(runtime.tokenizer)

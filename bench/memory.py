@@ -70,7 +70,7 @@ def measure(variant: str, tokens: int, model_dir: str) -> dict:
         config = Config(name="memory", storage=tmp, env=[{"id": "bench"}],
                         model={"name": model_dir, "dtype": "float32"},
                         trainer={"micro_batch_tokens": tokens, "device": "cpu", "lr": 1e-5})
-        trainer = Trainer(config, RunStorage(config.storage, config.name))
+        trainer = Trainer(config, RunStorage.of(config))
         if variant == "before":
             trainer.logprob_chunk = None
         vocabulary = trainer.module.config.vocab_size

@@ -22,8 +22,10 @@ STORAGE_FUNCTIONS = (
     ("trace_rl.step", "read_traces", "io/read_traces"),
     ("trace_rl.step", "write_channels", "io/write_channels"),
     ("trace_rl.step", "read_channels", "io/read_channels"),
+    ("trace_rl.step", "write_samples", "io/write_aggregated"),
+    ("trace_rl.step", "read_samples", "io/read_aggregated"),
     ("trace_rl.step", "write_batch_table", "io/write_batch"),
-    ("trace_rl.trainer.run", "read_batch", "io/read_batch"),
+    ("trace_rl.trainer.lifecycle", "read_batch", "io/read_batch"),
 )
 TRAINER_METHODS = (("train_step", "trainer/compute"), ("save_checkpoint", "trainer/checkpoint"),
                    ("export_weights", "trainer/export_weights"))

@@ -117,7 +117,7 @@ def run(repeats: int = 3) -> dict:
         config = Config(name="bench", storage=os.path.join(tmp, "runs"), env=[{"id": "bench"}],
                         model={"name": model_dir, "dtype": dtype},
                         trainer={"micro_batch_tokens": MICRO_BATCH_TOKENS, "lr": 1e-5})
-        trainer = Trainer(config, RunStorage(config.storage, config.name))
+        trainer = Trainer(config, RunStorage.of(config))
         trainer_s = best_seconds(lambda: trainer.train_step(0, samples), device, repeats)
         micro_batches = pack(samples, MICRO_BATCH_TOKENS)
         bare_s = best_seconds(

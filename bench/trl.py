@@ -262,7 +262,7 @@ def run_trace_rl(steps: int, side: str, workload: dict) -> None:
             extra["background_write_seconds"] = checkpoint.WRITER.last_write_seconds
             # what one checkpoint costs when written before the step returns (a run's last step; before this change
             # every step): the trainer's synchronous save of the same state
-            trainer = session.trainer_at(steps + 1)
+            trainer = session.trainer.at(steps + 1)
             started = time.perf_counter()
             trainer.save_checkpoint(steps, {}, background=False)
             extra["sync_checkpoint_seconds"] = time.perf_counter() - started

@@ -35,7 +35,7 @@ def aligned(rows: list[tuple[str, str]]) -> str:
 
 def history(config: Config, upto: int) -> list[dict]:
     """The metrics of steps 1..upto that exist (what a resumed run shows as its past)."""
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     paths = [storage.step_path(step, "metrics.json") for step in range(1, upto + 1)]
     return [storage.read_json(p) for p in paths if storage.exists(p)]
 
@@ -60,7 +60,7 @@ def reward_plot(rows: list[dict]) -> bytes:
 
 def publish(config: Config, rows: list[dict], plot: bool = True) -> None:
     """The metrics table (and, with `plot`, the reward curve) of every step so far, under the run's stable keys."""
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     table = [{"step": r["step"], "reward_mean": round(reward_mean(r), 4),
               **{c: round(r[c], 4) for c in TABLE_COLUMNS[1:] if c in r}} for r in rows]
     create_table_artifact(key=artifact_key(config, "metrics"), table=table,

@@ -22,7 +22,7 @@ from tasks.write_batch import write_batch
 from tasks.caching import stage_options
 from trace_rl import step as stages
 from trace_rl.config import Config
-from trace_rl.session import session_for
+from trace_rl.storage import RunStorage
 
 
 @flow(name="train_step", flow_run_name="{config.name}-step-{step}", log_prints=True)
@@ -30,7 +30,8 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     """`rollouts`: this step's `sample_rollouts` result when an earlier step sampled it; `sample_ahead`: the later
     steps to sample while this one trains."""
     logger = get_run_logger()
-    resumable = stage_options(config)
+    storage = RunStorage.of(config)
+    resumable = stage_options(storage)
     timings: dict[str, float] = {}
     reused: list[str] = []
 
@@ -63,7 +64,7 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     paths = [result["channels"] for result in algorithms]
     stage(validate_dimensions, "validate_dimensions", channel_paths=paths)
     aggregated = stage(aggregate_channels, "aggregate_channels", channel_paths=paths)
-    batch = stage(write_batch, "write_batch", channel_paths=paths)
+    batch = stage(write_batch, "write_batch", aggregated=aggregated["aggregated"])
     ahead = []
     for later in sample_ahead or []:  # one after the other: each loads its own weights into the one sampler
         ahead.append(sample_rollouts.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(
@@ -71,7 +72,7 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     # never from Prefect's cache: with ckpt.interval > 1 a resume re-trains steps whose train task once finished
     # (the trainer's state is the newest checkpoint's); `train` itself reuses a step's checkpoint when it exists
     trained = stage(train, "train", options={**resumable, "cache_policy": NO_CACHE},
-                    algorithm_states=stages.algorithm_state_paths(session_for(config), step, jobs))
+                    algorithm_states=stages.algorithm_state_paths(storage, step, jobs))
     sampled = []
     if config.async_.max_off_policy_steps == 0:
         stage(broadcast_weights, "broadcast_weights", options={})
@@ -85,7 +86,7 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
         logger.info("step %d: reused the finished stages %s", step, ", ".join(reused))
 
     metrics = step_metrics(step, rollouts, algorithms, aggregated, trained, timings)
-    stages.write_metrics(session_for(config), step, metrics)
+    stages.write_metrics(storage, step, metrics)
     return {"step": step, "batch": batch["batch"], "weights": trained["weights"], "reused": reused, "metrics": metrics,
             "sampled": sampled}  # the results of `sample_ahead`, in its order
 
@@ -95,7 +96,7 @@ def step_metrics(step: int, rollouts: dict, algorithms: list[dict], aggregated: 
     metrics: dict = {"step": step, **rollouts["metrics"]}
     for result in algorithms:
         metrics.update(result["stats"])
-    metrics.update({f"batch/{k}": v for k, v in aggregated.items()})
+    metrics.update({f"batch/{k}": v for k, v in aggregated["stats"].items()})
     metrics.update({f"train/{k}": v for k, v in trained["metrics"].items()})
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     return metrics

@@ -18,10 +18,11 @@ from flows.eval import eval_table, evaluate_with_progress
 from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_flow_run, without_heartbeat
 from flows.step import train_step
 from trace_rl.config import Config
-from trace_rl.evaluation import eval_dir, evaluates_at, tracker_metrics
+from trace_rl.evaluation import evaluates_at, tracker_metrics
 from trace_rl.run import finished_message, prepare_run
 from trace_rl.schedule import sampled_while_training
-from trace_rl.storage import RunStorage, step_name
+from trace_rl.session import finish_checkpoint_writes
+from trace_rl.storage import RunStorage, eval_dir, step_name
 from trace_rl.tracking import Trackers, step_metrics
 
 PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes up every step
@@ -36,6 +37,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     logger = get_run_logger()
     console = Console(stderr=True)
     retrying = (flow_run.get_run_count() or 1) > 1
+    finish_checkpoint_writes()  # an earlier flow run's: where this one starts counts them
     storage, first = prepare_run(config, "resume" if retrying else mode)
     label_this_flow_run(storage.url)
     this_run = url_for("flow-run", obj_id=flow_run.get_id())

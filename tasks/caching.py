@@ -15,8 +15,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
 from trace_rl import credentials
-from trace_rl.config import Config
-from trace_rl.session import config_hash
+from trace_rl.config import Config, config_hash
 from trace_rl.storage import RunStorage, step_name
 
 
@@ -30,31 +29,30 @@ class StageCache(CachePolicy):
         return "-".join(p for p in parts if p)
 
 
-def run_filesystem(config: Config, folder: str):
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+def run_filesystem(storage: RunStorage, folder: str):
     url = storage.url_of("prefect", folder)
     if storage.protocol in ("file", "local"):
         return LocalFileSystem(basepath=url)
-    return RemoteFileSystem(basepath=url, settings=credentials.resolve(config.storage_options))
+    return RemoteFileSystem(basepath=url, settings=credentials.resolve(storage.storage_options))
 
 
 _SAVED_BLOCKS: dict[str, Any] = {}
 
 
-def saved_result_storage(config: Config):
+def saved_result_storage(storage: RunStorage):
     """The run's result storage, saved on the Prefect server once per process (Prefect requires a saved block).
 
     The saved instance itself is handed to tasks: a slug would make every task run load the
     block document from the server, twice, which cost more than the rest of the task.
     """
-    block = run_filesystem(config, "results")
+    block = run_filesystem(storage, "results")
     name = "trace-rl-" + hashlib.sha256(block.basepath.encode()).hexdigest()[:16]
     if name not in _SAVED_BLOCKS:
         if isinstance(block, RemoteFileSystem):
             # the block document on the server holds no credentials (references such as env:NAME stay as
             # written); this process's instance gets the real ones back once it is saved
             real = block.settings
-            block.settings = credentials.public(config.storage_options)
+            block.settings = credentials.public(storage.storage_options)
             block.save(name, overwrite=True)
             block.settings = real
         else:
@@ -63,11 +61,11 @@ def saved_result_storage(config: Config):
     return _SAVED_BLOCKS[name]
 
 
-def stage_options(config: Config) -> dict[str, Any]:
-    """`Task.with_options` keyword arguments that make a stage resumable for this run."""
+def stage_options(storage: RunStorage) -> dict[str, Any]:
+    """`Task.with_options` keyword arguments that make a stage resumable for the run in `storage`."""
     return {
-        "cache_policy": StageCache().configure(key_storage=run_filesystem(config, "cache")),
-        "result_storage": saved_result_storage(config),
+        "cache_policy": StageCache().configure(key_storage=run_filesystem(storage, "cache")),
+        "result_storage": saved_result_storage(storage),
         "result_serializer": "json",
         "persist_result": True,
     }

@@ -3,7 +3,7 @@ from prefect import task
 from trace_rl import replay
 from trace_rl.config import Config
 from trace_rl.session import session_for
-from trace_rl.step import algorithm_jobs, run_sync
+from trace_rl.step import algorithm_jobs
 from trace_rl.storage import RunStorage
 
 
@@ -11,5 +11,5 @@ from trace_rl.storage import RunStorage
 def replay_step(config: Config, out_url: str, step: int, states: dict[str, dict]) -> dict:
     """One saved step's traces through the replay algorithms, into `<out>/steps/<step>/batch.parquet`."""
     out = RunStorage.from_url(out_url, config.storage_options)
-    summary = run_sync(replay.replay_step(session_for(config), out, step, algorithm_jobs(config), states))
+    summary = replay.replay_step(session_for(config), out, step, algorithm_jobs(config), states)
     return {**summary, "states": states}

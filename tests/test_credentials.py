@@ -10,9 +10,8 @@ import tomllib
 import pytest
 from pydantic import SecretStr
 
-from trace_rl.config import Config, config_to_toml, parse_config
+from trace_rl.config import Config, config_hash, config_to_toml, parse_config
 from trace_rl.credentials import REVEAL, CredentialError, is_credential_key
-from trace_rl.session import config_hash
 from trace_rl.storage import RunStorage
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY-SECRET"
@@ -84,9 +83,9 @@ def test_an_env_reference_is_kept_as_written_and_read_when_the_filesystem_is_bui
     monkeypatch.delenv("TRACE_RL_TEST_S3_SECRET", raising=False)
     with pytest.raises(CredentialError, match="storage_options.secret = 'env:TRACE_RL_TEST_S3_SECRET': the "
                                               "environment variable TRACE_RL_TEST_S3_SECRET is not set"):
-        RunStorage(config.storage, config.name, config.storage_options)
+        RunStorage.of(config)
     monkeypatch.setenv("TRACE_RL_TEST_S3_SECRET", SECRET)
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     assert storage.fs.secret == SECRET and storage.fs.key == ACCESS_KEY
 
 
@@ -98,7 +97,7 @@ def test_a_prefect_secret_reference_outside_the_flows_names_the_fix():
     try:
         config = s3_config("prefect-secret:s3-secret")
         with pytest.raises(CredentialError, match="Prefect Secret blocks are read only inside trace-rl's flows"):
-            RunStorage(config.storage, config.name, config.storage_options)
+            RunStorage.of(config)
     finally:
         credentials._READERS.update(readers)
 
@@ -122,4 +121,4 @@ def test_a_run_on_s3_works_with_its_secret_which_stays_out_of_its_files(s3_serve
         # replay reads the saved config.toml (no secret in it) with the options it is given
         source = source_config(storage.url, config.storage_options)
         replayed = replay_config(source, [AlgorithmConfig(id="rl")])
-        assert RunStorage(replayed.storage, replayed.name, replayed.storage_options).fs.secret == SECRET
+        assert RunStorage.of(replayed).fs.secret == SECRET

@@ -18,7 +18,7 @@ from tests.trainer.conftest import make_batch
 from trace_rl.config import Config, config_to_toml
 from trace_rl.storage import RunStorage
 from trace_rl.tables import write_batch
-from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

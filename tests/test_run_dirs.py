@@ -189,7 +189,7 @@ def test_resuming_a_finished_run_says_so_and_starts_nothing(tmp_path, capsys, mo
 
 
 def test_a_finished_run_whose_last_eval_is_missing_is_not_finished(tmp_path):
-    from trace_rl.evaluation import eval_dir
+    from trace_rl.storage import eval_dir
     from trace_rl.run import finished_message
 
     evaluation = {"envs": [{"id": "reverse-text"}]}

@@ -25,7 +25,7 @@ def test_an_evicted_session_stops_its_trainer_workers(tmp_path, monkeypatch, tin
     configs = [validate_config({"name": name, "storage": str(tmp_path), "env": [{"id": "reverse-text"}],
                                 "model": {"name": tiny_model_path},
                                 "trainer": {"num_processes": 2, "device": "cpu"}}) for name in ("a", "b", "c")]
-    workers = session.session_for(configs[0]).trainer_at(1)
+    workers = session.session_for(configs[0]).trainer.at(1)
     workers.start()
     ranks = {pid: processes.stat(pid).start for pid in workers.pids}
     assert len(ranks) == 2 and all(processes.is_alive(pid, start) for pid, start in ranks.items())

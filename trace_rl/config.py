@@ -8,6 +8,8 @@ what loads a run's config. Importing either stays cheap (no torch, no vllm) for 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -648,3 +650,10 @@ def config_to_toml(config: Config) -> str:
     import tomli_w
 
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
+def config_hash(config: Config) -> str:
+    """What a step's outputs depend on: the whole config except the step count, the Prefect server, eval and
+    tracking (neither changes what a training step computes)."""
+    data = config.model_dump(mode="json", exclude={"steps", "prefect", "eval", "logging"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -30,14 +30,10 @@ from trace_rl.names import POLICY
 from trace_rl.passk import avg_at_k, mean_pass_at_k, pass_k_values
 from trace_rl.rollouts import distinct_names, run_rollout
 from trace_rl.session import Session
-from trace_rl.storage import RunStorage, step_name
+from trace_rl.storage import RunStorage, eval_dir, step_name
 from trace_rl.tables import read_table, traces_to_table, write_table
 
 EVAL_SEED = "eval"
-
-
-def eval_dir(storage: RunStorage, step: int) -> str:
-    return storage.path("eval", f"step_{step_name(step)}")
 
 
 def evaluates_at(config: Config, step: int) -> bool:
@@ -53,7 +49,7 @@ def check_eval(config: Config, step: int) -> None:
     if config.eval is None:
         raise RefusedError(f"{config.name}: the run's config has no [eval] section; add one with --set, e.g. "
                            "--set 'eval={envs=[{id=\"reverse-text\"}]}' (docs/eval.md)")
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     if step < 0 or (step > 0 and not storage.is_stable(storage.path("weights", step_name(step)))):
         done = storage.stable_steps("weights")
         raise RefusedError(f"--step {step}: {storage.url} has no finished weights of that step; use 0 (the base "

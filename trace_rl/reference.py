@@ -1,6 +1,6 @@
 """The `[trainer.loss.kl]` reference's logprobs of a step's training samples, scored once per step.
 
-The batch's stage (`trace_rl.step.write_batch`, and a replay's `replay_step`) asks the reference's
+The batch's stage (`trace_rl.step.write_batch`, a replay's too) asks the reference's
 runtime to score each sample's tokens, as `opd` scores a branch, and the logprobs travel to the
 trainer in the batch's `ref_logprobs` column. A sample is scored at its own temperature, the
 divisor the trainer's logprobs of its sampled tokens use (docs/trainer.md).

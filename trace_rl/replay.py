@@ -1,7 +1,7 @@
 """Offline replay: saved traces through new algorithms, into new batches under another URL.
 
-The source run is only read. Each replayed step writes `steps/<step>/channels/*.parquet`
-and `steps/<step>/batch.parquet` under `--out`; with `--train`, a model trains on the
+The source run is only read. Each replayed step writes `steps/<step>/channels/*.parquet`,
+`steps/<step>/aggregated.parquet` and `steps/<step>/batch.parquet` under `--out`; with `--train`, a model trains on the
 replayed batches there (checkpoints and weights under `--out` too).
 """
 
@@ -15,19 +15,18 @@ import numpy as np
 
 from trace_rl.algorithms.base import AlgorithmConfig, validate_options
 from trace_rl.algorithms.lookup import resolve_algorithm_class
-from trace_rl.channels import aggregate, channel_stats
+from trace_rl.channels import channel_stats
 from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.data.sample import TrainingSample
 from trace_rl.errors import RefusedError
 from trace_rl.loading import validate_config
 from trace_rl.names import LOSS_NAMES, POLICY
-from trace_rl.reference import with_reference_logprobs
 from trace_rl.schedule import sampling_weights
 from trace_rl.session import Session
-from trace_rl.step import AlgorithmJob, algorithm_jobs, compute_channels
-from trace_rl.storage import RunStorage, check_wipe, overlap, step_name
-from trace_rl.tables import read_batch, read_traces, write_batch, write_channels
-from trace_rl.validate import validate_channels
+from trace_rl.step import (AlgorithmJob, aggregate_channels, algorithm_jobs, channels_path, compute_channels, run_sync,
+                           validate_dimensions, write_batch)
+from trace_rl.storage import RunStorage, check_wipe, overlap
+from trace_rl.tables import read_batch, read_traces, write_channels
 
 
 def parse_algorithms(text: str) -> list[AlgorithmConfig]:
@@ -204,23 +203,22 @@ def batch_stats(samples: list[TrainingSample]) -> dict[str, float]:
     return out
 
 
-async def replay_step(session: Session, out: RunStorage, step: int, jobs: list[AlgorithmJob],
-                      states: dict[str, dict]) -> dict:
-    """Replay one step; `states` carries stateful algorithms' state from step to step (updated in place)."""
+def replay_step(session: Session, out: RunStorage, step: int, jobs: list[AlgorithmJob],
+                states: dict[str, dict]) -> dict:
+    """Replay one step through the pipeline's own validate, aggregate and write stages, into `out`; `states` carries
+    stateful algorithms' state from step to step (updated in place)."""
     traces = read_traces(session.storage, step)
-    channels = []
+    paths = []
     stats: dict[str, float] = {}
     for job in jobs:
-        job_channels, states[job.key] = await compute_channels(session, step, job, traces, states.get(job.key, {}))
-        write_channels(out, out.path("steps", step_name(step), "channels", f"{job.key}.parquet"), job_channels)
-        stats.update(channel_stats(job_channels))
-        channels += job_channels
-    validate_channels(traces, channels)
-    samples = await with_reference_logprobs(session, step, aggregate(traces, channels))
-    write_batch(out, step, samples)
+        channels, states[job.key] = run_sync(compute_channels(session, step, job, traces, states.get(job.key, {})))
+        paths.append(write_channels(out, channels_path(out, step, job, "parquet"), channels))
+        stats.update(channel_stats(channels))
+    validate_dimensions(session, step, paths, out)
+    write_batch(session, step, aggregate_channels(session, step, paths, out)["aggregated"], out)
     original_path = session.storage.step_path(step, "batch.parquet")
     original = batch_stats(read_batch(session.storage, step)) if session.storage.exists(original_path) else {}
-    return {"step": step, "channels": stats, "replayed": batch_stats(samples), "original": original}
+    return {"step": step, "channels": stats, "replayed": batch_stats(read_batch(out, step)), "original": original}
 
 
 def initial_states(session: Session, first_step: int, jobs: list[AlgorithmJob]) -> dict[str, dict]:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Literal
 
-from trace_rl.config import Config, config_to_toml
+from trace_rl.config import Config, config_hash, config_to_toml
 from trace_rl.errors import RefusedError
 from trace_rl.loading import check_config
 from trace_rl.preflight import check_reachable
-from trace_rl.session import config_hash
-from trace_rl.storage import RunStorage, check_wipe, step_name
+from trace_rl.storage import RunStorage, check_wipe, eval_dir, first_unfinished_step
 
 logger = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "overwrite"]
@@ -19,17 +17,6 @@ Mode = Literal["new", "resume", "overwrite"]
 
 class RunExistsError(RefusedError):
     pass
-
-
-def first_unfinished_step(storage: RunStorage) -> int:
-    """The step to run next: after the latest checkpoint, or that step itself if the process died before
-    its weights were exported (the step's finished stages are reused and `train` exports them)."""
-    if (checkpoint := sys.modules.get("trace_rl.trainer.checkpoint")) is not None:
-        checkpoint.WRITER.join()  # a checkpoint this process still writes in the background counts
-    last = storage.latest_stable("checkpoints")
-    if last is None:
-        return 1
-    return last if not storage.is_stable(storage.path("weights", step_name(last))) else last + 1
 
 
 def run_exists(storage: RunStorage) -> bool:
@@ -72,7 +59,7 @@ def finished_message(config: Config, storage: RunStorage) -> str | None:
     first = first_unfinished_step(storage)
     if first <= config.steps:
         return None
-    from trace_rl.evaluation import eval_dir, evaluates_at
+    from trace_rl.evaluation import evaluates_at
 
     if any(evaluates_at(config, step) and not storage.is_stable(eval_dir(storage, step)) for step in range(1, first)):
         return None  # the resume runs the evals the last process did not finish

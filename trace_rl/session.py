@@ -3,32 +3,23 @@
 Pipeline stages ask the session for what they need at a step; whatever is missing
 (a fresh process after a crash, a retried flow run) is rebuilt from storage: the
 sampler loads the latest exported weights before step `s` samples, and the trainer
-restores the checkpoint of step `s - 1` before training step `s`.
+restores the checkpoint of step `s - 1` before training step `s` (`trace_rl.trainer.lifecycle.RunTrainer`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from trace_rl.colocation import models_in_use
-from trace_rl.config import Config
+from trace_rl.config import Config, config_hash
 from trace_rl.inference.build import BaseModelView, build_runtime
 from trace_rl.models import TORCH_STATE_LOCK, ModelRuntime, runtime_configs
 from trace_rl.names import POLICY
 from trace_rl.schedule import sampling_weights
 from trace_rl.storage import RunStorage
-
-
-def config_hash(config: Config) -> str:
-    """What a step's outputs depend on: the whole config except the step count, the Prefect server, eval and
-    tracking (neither changes what a training step computes)."""
-    data = config.model_dump(mode="json", exclude={"steps", "prefect", "eval", "logging"})
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+from trace_rl.trainer.lifecycle import RunTrainer
 
 
 class LazyRuntimes(Mapping):
@@ -68,13 +59,11 @@ class LazyRuntimes(Mapping):
 class Session:
     def __init__(self, config: Config):
         self.config = config
-        self.storage = RunStorage(config.storage, config.name, config.storage_options)
+        self.storage = RunStorage.of(config)
         self.runtimes = LazyRuntimes(config)
         self.uses_policy = POLICY in models_in_use(config)  # else no policy engine is started, nor reloaded
-        self._trainer = None
-        self._trainer_step: int | None = None
+        self.trainer = RunTrainer(config, self.storage)  # kept warm between steps
         self._policy_step: int | None = None
-        self.cache: dict[Any, Any] = {}
 
     async def models_at(self, step: int) -> LazyRuntimes:
         """The runtimes, awake, with the policy (if built or the actor) sampling the weights that step `step` uses."""
@@ -139,59 +128,30 @@ class Session:
             await broadcast_weights(runtime, self.storage, wanted)  # fails, naming the step, if not STABLE
         self._policy_step = wanted
 
-    def trainer_at(self, step: int):
-        """A trainer whose last optimizer step is `step - 1`: kept warm, or restored from that checkpoint.
-
-        With `trainer.uses_workers` (num_processes > 1 or cpu_offload): the run's torchrun workers, started at their
-        first step and kept up
-        (they restore or restart themselves, see `trace_rl.trainer.workers`)."""
-        if self.config.trainer.uses_workers:
-            if self._trainer is None:
-                from trace_rl.trainer.workers import TrainerWorkers
-
-                self._trainer = TrainerWorkers(self.config, self.storage)
-            return self._trainer
-        if self._trainer is None or self._trainer_step != step - 1:
-            from trace_rl.trainer.run import check_resumes_at
-            from trace_rl.trainer.trainer import Trainer
-
-            with TORCH_STATE_LOCK:
-                trainer = Trainer(self.config, self.storage)
-                restored, _ = trainer.restore()
-            check_resumes_at(restored, step)
-            if (restored or 0) != step - 1:
-                raise RuntimeError(
-                    f"step {step} trains on the checkpoint of step {step - 1}, but the latest checkpoint is "
-                    f"{restored}; resume the run instead of starting at step {step}"
-                )
-            self._trainer = trainer
-        return self._trainer
-
-    def trained(self, step: int) -> None:
-        self._trainer_step = step
-
-    def release_trainer(self) -> None:
-        """Stop the run's torchrun workers if it has any (an in-process trainer is freed with the session)."""
-        if hasattr(self._trainer, "stop"):
-            self._trainer.stop()
 
 
 # A `trace-rl serve` process runs every run started from the UI: it keeps the warm trainers of the
 # most recently used runs only (an evicted run's trainer workers are stopped). An evicted run that steps again
 # rebuilds its session from storage.
 MAX_SESSIONS = 2
-_SESSIONS: OrderedDict[tuple[str, str], Session] = OrderedDict()
+_SESSIONS: OrderedDict[str, Session] = OrderedDict()
 
 
 def session_for(config: Config) -> Session:
     """The process's session for this run and config (one warm sampler and trainer per process)."""
-    key = (RunStorage(config.storage, config.name, config.storage_options).url, config_hash(config))
+    key = config_hash(config)  # of the whole config but what a step does not depend on: storage and name too
     if key in _SESSIONS:
         _SESSIONS.move_to_end(key)
     else:
         while len(_SESSIONS) >= MAX_SESSIONS:
             _, evicted = _SESSIONS.popitem(last=False)
             # its trainer workers hold processes (and GPU memory): stopped once the step they may be training ends
-            threading.Thread(target=evicted.release_trainer, name="release-trainer", daemon=True).start()
+            threading.Thread(target=evicted.trainer.stop, name="release-trainer", daemon=True).start()
         _SESSIONS[key] = Session(config)
     return _SESSIONS[key]
+
+
+def finish_checkpoint_writes() -> None:
+    """Return once the checkpoints this process's trainers write in the background are written."""
+    for session in list(_SESSIONS.values()):
+        session.trainer.finish_checkpoint_write()

@@ -24,14 +24,17 @@ from trace_rl.channels import aggregate, channel_stats
 from trace_rl.config import Config
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Trace
-from trace_rl.models import TORCH_STATE_LOCK
 from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
 from trace_rl.schedule import check_staleness, lag_metrics
 from trace_rl.session import Session
-from trace_rl.storage import step_name
-from trace_rl.tables import read_channels, read_traces, write_batch as write_batch_table, write_channels, write_traces
+from trace_rl.storage import RunStorage, step_name
+from trace_rl.tables import (read_channels, read_samples, read_traces, write_batch as write_batch_table, write_channels,
+                             write_samples, write_traces)
 from trace_rl.validate import validate_channels
+
+
+AGGREGATED = "aggregated.parquet"  # the step's samples as aggregated, before the reference scores them
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,8 @@ def algorithm_jobs(config: Config) -> list[AlgorithmJob]:
     ]
 
 
-def _channels_path(session: Session, step: int, job: AlgorithmJob, suffix: str) -> str:
-    return session.storage.path("steps", step_name(step), "channels", f"{job.key}.{suffix}")
+def channels_path(storage: RunStorage, step: int, job: AlgorithmJob, suffix: str) -> str:
+    return storage.path("steps", step_name(step), "channels", f"{job.key}.{suffix}")
 
 
 # -- stages -------------------------------------------------------------------------------
@@ -109,10 +112,10 @@ async def run_algorithm(session: Session, step: int, job: AlgorithmJob) -> dict:
     storage = session.storage
     traces = read_traces(storage, step)
     channels, state = await compute_channels(session, step, job, traces, previous_algorithm_state(session, step, job))
-    path = _channels_path(session, step, job, "parquet")
+    path = channels_path(storage, step, job, "parquet")
     write_channels(storage, path, channels)
     if state:
-        storage.write_json(_channels_path(session, step, job, "state.json"), state)
+        storage.write_json(channels_path(storage, step, job, "state.json"), state)
     return {"channels": path, "algorithm": job.config.id, "stats": channel_stats(channels)}
 
 
@@ -126,51 +129,50 @@ def previous_algorithm_state(session: Session, step: int, job: AlgorithmJob) -> 
     if session.storage.is_stable(checkpoint_dir(session.storage, step - 1)):
         extra = load_part(session.storage, step - 1, "extra_state") or {}
         return extra.get("algorithms", {}).get(job.key, {})
-    path = _channels_path(session, step - 1, job, "state.json")
+    path = channels_path(session.storage, step - 1, job, "state.json")
     return session.storage.read_json(path) if session.storage.exists(path) else {}
 
 
-def _load_step(session: Session, step: int, channel_paths: list[str]) -> tuple[list[Trace], list[Channel]]:
-    key = ("inputs", step, tuple(channel_paths))
-    if key not in session.cache:
-        session.cache.clear()
-        traces = read_traces(session.storage, step)
-        channels = [c for path in channel_paths for c in read_channels(session.storage, path)]
-        session.cache[key] = (traces, channels)
-    return session.cache[key]
+def read_step(session: Session, step: int, channel_paths: list[str], out: RunStorage) -> tuple[list[Trace], list[Channel]]:
+    """The step's traces (in the run's storage) and the channels at `channel_paths` (in `out`)."""
+    return read_traces(session.storage, step), [c for path in channel_paths for c in read_channels(out, path)]
 
 
-def validate_dimensions(session: Session, step: int, channel_paths: list[str]) -> dict:
-    traces, channels = _load_step(session, step, channel_paths)
+# validate -> aggregate -> write: each reads its inputs from storage and writes its output there (`out`: the run's
+# storage, or a replay's --out), so a step resumed in another process redoes none of the finished ones
+
+
+def validate_dimensions(session: Session, step: int, channel_paths: list[str], out: RunStorage | None = None) -> dict:
+    """Every channel checked against its branch (a failure names env, trace, branch and algorithm); writes nothing."""
+    traces, channels = read_step(session, step, channel_paths, out or session.storage)
     if session.config.actor == POLICY:
         check_staleness(traces, step, session.config.async_.max_off_policy_steps)
     validate_channels(traces, channels)
     return {"channels": len(channels), "branches": sum(len(t.branches) for t in traces)}
 
 
-def aggregate_channels(session: Session, step: int, channel_paths: list[str]) -> dict:
-    traces, channels = _load_step(session, step, channel_paths)
-    samples = aggregate(traces, channels)
-    session.cache[("samples", step, tuple(channel_paths))] = samples
-    return {
+def aggregate_channels(session: Session, step: int, channel_paths: list[str], out: RunStorage | None = None) -> dict:
+    """One training sample per branch, same-loss channels summed, into the step's `aggregated.parquet`: its URL
+    (`aggregated`) and the batch's token counts (`stats`)."""
+    out = out or session.storage
+    samples = aggregate(*read_step(session, step, channel_paths, out))
+    stats = {
         "samples": len(samples),
         "tokens": int(sum(len(s) for s in samples)),
         **{f"{loss}_tokens": int(sum(getattr(s, f"{loss}_mask").sum() for s in samples)) for loss in LOSS_NAMES},
     }
+    return {"aggregated": write_samples(out, out.step_path(step, AGGREGATED), samples), "stats": stats}
 
 
-def write_batch(session: Session, step: int, channel_paths: list[str]) -> dict:
-    """The step's batch.parquet; with `[trainer.loss.kl]` the reference scores every sample first, once, and
-    its logprobs are the batch's `ref_logprobs` column (the stage's task is what a resume reuses)."""
+def write_batch(session: Session, step: int, aggregated: str, out: RunStorage | None = None) -> dict:
+    """The step's batch.parquet from its aggregated samples; with `[trainer.loss.kl]` the reference scores every
+    sample first, once, and its logprobs are the batch's `ref_logprobs` column (the stage's task is what a resume
+    reuses)."""
     from trace_rl.reference import with_reference_logprobs
 
-    key = ("samples", step, tuple(channel_paths))
-    if key not in session.cache:  # a fresh process: aggregation is cheap and deterministic, so redo it
-        traces, channels = _load_step(session, step, channel_paths)
-        session.cache[key] = aggregate(traces, channels)
-    samples = session.cache.pop(key)
-    samples = run_sync(with_reference_logprobs(session, step, samples))
-    return {"batch": write_batch_table(session.storage, step, samples), "samples": len(samples)}
+    out = out or session.storage
+    samples = run_sync(with_reference_logprobs(session, step, read_samples(out, aggregated)))
+    return {"batch": write_batch_table(out, step, samples), "samples": len(samples)}
 
 
 def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict:
@@ -179,26 +181,17 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
     Idempotent: when the process died after the checkpoint of `step` became STABLE, the step
     is not trained again; missing weights are exported from that checkpoint.
     """
-    from trace_rl.trainer.run import train_one_step
-
     storage = session.storage
     weights = storage.path("weights", step_name(step))
     metrics_path = storage.step_path(step, "train_metrics.json")
     if step in storage.stable_steps("checkpoints"):
         if not storage.is_stable(weights):
-            from trace_rl.trainer.trainer import Trainer
-
-            with TORCH_STATE_LOCK:
-                trainer = Trainer(session.config, storage)
-                trainer.restore()
-            trainer.export_weights(step)
+            session.trainer.export_weights(step)
         metrics = storage.read_json(metrics_path) if storage.exists(metrics_path) else {}
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
     states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
     run_sync(session.sleep_engines())
-    metrics = train_one_step(session.config, storage, step, trainer=session.trainer_at(step),
-                             extra_state={"algorithms": states})
-    session.trained(step)
+    metrics = session.trainer.train(step, extra_state={"algorithms": states})
     storage.write_json(metrics_path, metrics)
     return {"weights": weights, "metrics": metrics}
 
@@ -210,13 +203,13 @@ async def broadcast_weights(session: Session, step: int) -> dict:
     return {"policy_step": session.policy_step}
 
 
-def algorithm_state_paths(session: Session, step: int, jobs: list[AlgorithmJob]) -> dict[str, str]:
-    return {job.key: _channels_path(session, step, job, "state.json") for job in jobs}
+def algorithm_state_paths(storage: RunStorage, step: int, jobs: list[AlgorithmJob]) -> dict[str, str]:
+    return {job.key: channels_path(storage, step, job, "state.json") for job in jobs}
 
 
-def write_metrics(session: Session, step: int, metrics: dict) -> str:
-    path = session.storage.step_path(step, "metrics.json")
-    session.storage.write_json(path, metrics)
+def write_metrics(storage: RunStorage, step: int, metrics: dict) -> str:
+    path = storage.step_path(step, "metrics.json")
+    storage.write_json(path, metrics)
     return path
 
 
@@ -241,8 +234,8 @@ def run_step(session: Session, step: int) -> dict:
         paths = [r["channels"] for r in results]
         validate_dimensions(session, step, paths)
         aggregated = aggregate_channels(session, step, paths)
-        batch = write_batch(session, step, paths)
-        trained = train(session, step, algorithm_state_paths(session, step, jobs))
+        batch = write_batch(session, step, aggregated["aggregated"])
+        trained = train(session, step, algorithm_state_paths(session.storage, step, jobs))
         await broadcast_weights(session, step)
         return {"rollouts": rollouts, "algorithms": results, "aggregate": aggregated, "batch": batch,
                 "train": trained}

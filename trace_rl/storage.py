@@ -6,6 +6,7 @@ Layout under `<storage>/<name>/` (see docs/storage.md):
     steps/<step:06d>/traces.parquet | batch.parquet | metrics.json
     checkpoints/<step:06d>/...  + STABLE
     weights/<step:06d>/...      + STABLE
+    eval/step_<step:06d>/...    + STABLE
 
 Nothing half-written is ever read as complete. Single files are written to a
 temporary name and renamed into place (atomic on a local disk and in memory; on
@@ -37,6 +38,21 @@ RUN_MARKERS = ("config.toml", "replay.json")  # a directory holding one of these
 
 def step_name(step: int) -> str:
     return f"{step:06d}"
+
+
+def eval_dir(storage: RunStorage, step: int) -> str:
+    """Where the eval of the weights of `step` goes (trace_rl.evaluation)."""
+    return storage.path("eval", f"step_{step_name(step)}")
+
+
+def first_unfinished_step(storage: RunStorage) -> int:
+    """The step to run next: after the latest checkpoint, or that step itself if the process died before
+    its weights were exported (the step's finished stages are reused and `train` exports them). A checkpoint this
+    process still writes in the background counts only once written: `RunTrainer.finish_checkpoint_write`."""
+    last = storage.latest_stable("checkpoints")
+    if last is None:
+        return 1
+    return last if not storage.is_stable(storage.path("weights", step_name(last))) else last + 1
 
 
 class RunStorage:

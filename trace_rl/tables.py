@@ -259,15 +259,21 @@ def read_traces(storage: RunStorage, step: int) -> list[Trace]:
     return table_to_traces(check_columns(table, TRACE_SCHEMA, storage.url_of_path(path)))
 
 
-def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -> str:
-    path = storage.step_path(step, "batch.parquet")
+def write_samples(storage: RunStorage, path: str, samples: list[TrainingSample]) -> str:
     write_table(storage, path, samples_to_table(samples))
     return path
 
 
+def read_samples(storage: RunStorage, path: str) -> list[TrainingSample]:
+    return table_to_samples(read_table(storage, path, BATCH_SCHEMA, optional=OPTIONAL_BATCH_COLUMNS))
+
+
+def write_batch(storage: RunStorage, step: int, samples: list[TrainingSample]) -> str:
+    return write_samples(storage, storage.step_path(step, "batch.parquet"), samples)
+
+
 def read_batch(storage: RunStorage, step: int) -> list[TrainingSample]:
-    return table_to_samples(read_table(storage, storage.step_path(step, "batch.parquet"), BATCH_SCHEMA,
-                                       optional=OPTIONAL_BATCH_COLUMNS))
+    return read_samples(storage, storage.step_path(step, "batch.parquet"))
 
 
 CHANNEL_SCHEMA = pa.schema(

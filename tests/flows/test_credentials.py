@@ -40,7 +40,7 @@ def test_a_prefect_secret_reference_reads_the_secret_block(prefect_api, s3_serve
     Secret(value=SECRET).save("trace-rl-test-s3-secret", overwrite=True)
     config = s3_config(s3_server, tmp_path.name, "prefect-secret:trace-rl-test-s3-secret")
     assert config.storage_options["secret"] == "prefect-secret:trace-rl-test-s3-secret"
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     assert storage.fs.secret == SECRET
     storage.write_atomic(storage.path("hello.txt"), b"hi")
     assert storage.read_bytes(storage.path("hello.txt")) == b"hi"
@@ -52,10 +52,10 @@ def test_the_saved_result_storage_block_holds_no_secret(prefect_api, s3_server, 
     from tasks.caching import saved_result_storage
 
     config = s3_config(s3_server, tmp_path.name, SECRET)
-    block = saved_result_storage(config)
+    block = saved_result_storage(RunStorage.of(config))
     assert block.settings["secret"] == SECRET  # what this process's tasks write results with
     saved = RemoteFileSystem.load(block._block_document_name)
     assert saved.settings == {"client_kwargs": {"endpoint_url": s3_server["endpoint_url"]}}
     block.write_path("result.json", b"{}")
-    storage = RunStorage(config.storage, config.name, config.storage_options)
+    storage = RunStorage.of(config)
     assert storage.read_bytes(storage.path("prefect", "results", "result.json")) == b"{}"

@@ -28,7 +28,7 @@ def test_a_run_on_two_gloo_workers_matches_one_process(prefect_api, tmp_path):
     config, weights = run("two", num_processes=2, parallel="fsdp")
     for name in expected:
         assert (weights[name] - expected[name]).abs().max().item() <= 1e-6, name
-    workers = session_for(config).trainer_at(4)
+    workers = session_for(config).trainer.at(4)
     assert workers.alive and workers.step == 3 and len(workers.pids) == 2
     pids = list(workers.pids)
     stop_all()  # what the CLI's quiet.stop_engines() does for workers (it would also stop the session's vLLM engine)

@@ -100,7 +100,7 @@ def lora_run(tiny_model_path, tmp_path_factory) -> RunStorage:
     from tests.trainer.conftest import make_batch
     from trace_rl.config import Config
     from trace_rl.tables import write_batch
-    from trace_rl.trainer.run import train_one_step
+    from trace_rl.trainer.lifecycle import train_one_step
     from trace_rl.trainer.trainer import Trainer
 
     config = Config(name="lora", storage=str(tmp_path_factory.mktemp("lora-runs")), env=[{"id": "synthetic"}],

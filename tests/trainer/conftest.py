@@ -54,4 +54,4 @@ def make_config(tiny_model_path, tmp_path):
 
 
 def storage_for(config: Config) -> RunStorage:
-    return RunStorage(config.storage, config.name, config.storage_options)
+    return RunStorage.of(config)

@@ -8,7 +8,7 @@ import torch
 
 from tests.trainer.conftest import make_batch, storage_for
 from tests.trainer.test_trainer import exported, write_batches
-from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.trainer import Trainer
 
 

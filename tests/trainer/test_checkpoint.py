@@ -12,7 +12,7 @@ from tests.trainer.test_trainer import exported
 from trace_rl.storage import step_name
 from trace_rl.tables import write_batch
 from trace_rl.trainer import checkpoint
-from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.trainer import Trainer
 
 STEPS = 6

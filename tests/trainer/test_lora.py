@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tests.trainer.conftest import make_batch, storage_for
 from tests.trainer.test_trainer import write_batches
 from trace_rl.trainer import checkpoint
-from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.trainer import Trainer
 
 LORA = {"rank": 4, "alpha": 8.0}

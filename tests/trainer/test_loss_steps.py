@@ -6,7 +6,7 @@ import pytest
 
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.tables import write_batch
-from trace_rl.trainer.run import train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.trainer import Trainer, resolved_loss_config
 
 VARIANTS = [

@@ -21,7 +21,8 @@ from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.config import Config, config_to_toml
 from trace_rl.tables import write_batch
 from trace_rl.trainer.nodes import NodeSession
-from trace_rl.trainer.run import TrainerError, train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
+from trace_rl.trainer.resume import TrainerError
 from trace_rl.trainer.workers import TrainerWorkers
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.tables import write_batch
 from trace_rl.trainer import checkpoint
-from trace_rl.trainer.run import TrainerError, train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
+from trace_rl.trainer.resume import TrainerError
 from trace_rl.trainer.trainer import NonFiniteError, Trainer, check_finite
 
 

@@ -13,7 +13,8 @@ import pytest
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl import processes
 from trace_rl.tables import write_batch
-from trace_rl.trainer.run import TrainerError, train_one_step
+from trace_rl.trainer.lifecycle import train_one_step
+from trace_rl.trainer.resume import TrainerError
 from trace_rl.trainer.workers import TrainerWorkers
 
 pytestmark = pytest.mark.slow

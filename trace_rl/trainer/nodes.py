@@ -40,10 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 from trace_rl import processes
-from trace_rl.config import Config, parse_config
+from trace_rl.config import Config, config_hash, parse_config
 from trace_rl.credentials import REVEAL
 from trace_rl.errors import RefusedError
-from trace_rl.storage import RunStorage
+from trace_rl.storage import RunStorage, first_unfinished_step
 
 POLL_S = 0.02  # a local directory (one node) or a run on a local or shared file system
 REMOTE_POLL_S = 0.25  # object storage: every poll is a request
@@ -235,8 +235,6 @@ class NodeSession:
     @classmethod
     def create(cls, storage: RunStorage, config: Config) -> NodeSession:
         """Node 0's new session (published by `publish`); earlier sessions' files are removed."""
-        from trace_rl.session import config_hash
-
         if storage.protocol == "memory":
             raise RefusedError("trainer.nnodes > 1 needs a storage every node reaches (a shared path or s3://), "
                                "not memory://")
@@ -299,8 +297,6 @@ class NodeSession:
 def check_node(config: Config, node_rank: int) -> RunStorage:
     """The run's storage if node `node_rank` may serve it; else a RefusedError in one line: a single-node config,
     a node rank out of range, no such run, or a config that differs from the run's (compared by config hash)."""
-    from trace_rl.session import config_hash
-
     nnodes = config.trainer.nnodes
     if nnodes == 1:
         raise RefusedError("trainer.nnodes = 1: this run has no other trainer nodes; set [trainer] nnodes and "
@@ -324,9 +320,6 @@ def check_node(config: Config, node_rank: int) -> RunStorage:
 def serve_node(config: Config, node_rank: int, say: Callable[[str], None] = lambda line: None) -> None:
     """Serve node `node_rank` of the run: join each new session with this node's workers, until the run has
     trained its last step. A session this node already joined (before a restart of this process) is skipped."""
-    from trace_rl.run import first_unfinished_step
-    from trace_rl.session import config_hash
-
     storage = check_node(config, node_rank)
     private = tempfile.mkdtemp(prefix="trace-rl-node-")
     config_path = write_private_config(private, config)

@@ -31,8 +31,8 @@ from trace_rl import processes
 from trace_rl.config import Config
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.nodes import Channel, worker_channel
-from trace_rl.trainer.run import train_in_process
-from trace_rl.trainer.trainer import Trainer, resolve_device
+from trace_rl.trainer.lifecycle import restore_trainer, train_in_process
+from trace_rl.trainer.trainer import resolve_device
 
 
 class LauncherGone(RuntimeError):
@@ -49,9 +49,8 @@ def next_command(channel: Channel, n: int, parent: int, parent_start: int) -> di
 
 
 def serve(config: Config, channel: Channel, parent: int, parent_start: int, node_rank: int) -> None:
-    storage = RunStorage(config.storage, config.name, config.storage_options)
-    trainer = Trainer(config, storage)
-    restored, _ = trainer.restore()
+    storage = RunStorage.of(config)
+    trainer, restored = restore_trainer(config, storage)  # the launcher checks the step it sends against `restored`
     rank = dist.get_rank()
     me = processes.stat(os.getpid())
     channel.write_json(f"ready-{rank}.json", {"pid": os.getpid(), "start": me.start, "restored": restored,

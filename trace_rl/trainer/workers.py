@@ -42,7 +42,7 @@ from trace_rl.errors import RefusedError
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer.nodes import (Channel, Heartbeat, NodeSession, NodeWatch, end_workers, heartbeat_interval,
                                     torchrun_command, write_private_config)
-from trace_rl.trainer.run import TrainerError, check_resumes_at
+from trace_rl.trainer.resume import TrainerError, check_resumes_at
 
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL = 4000
@@ -139,12 +139,6 @@ class TrainerWorkers:
                 self.stop()
                 raise
         check_resumes_at(self.step, step)
-        first_step = self.step is None and step <= 1  # no checkpoint: only the first step starts from the base model
-        if not first_step and self.step != step - 1:
-            raise TrainerError(
-                f"step {step} trains on the state after step {step - 1}, but the latest checkpoint is "
-                f"{'none' if self.step is None else 'of step ' + str(self.step)}; resume the run (it re-runs the "
-                "steps after its newest checkpoint)")
         n = self._sent
         self._sent += 1
         buffer = io.BytesIO()
