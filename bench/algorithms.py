@@ -19,9 +19,9 @@ import numpy as np
 
 from trace_rl.algorithms import load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
-from trace_rl.channels import aggregate
 from trace_rl.data.trace import Branch, Message, Trace
-from trace_rl.validate import validate_channels
+from trace_rl.data.validate import validate_channels
+from trace_rl.pipeline.channels import aggregate
 
 TARGET_TOKENS_PER_S = 20e6
 # (role, content tokens, sampled) per message: header + content + end token each, 1024 tokens in all

@@ -1,6 +1,6 @@
 """One GPU: trace-rl's step on a Qwen2.5-0.5B-shaped model in bf16, and TRL's GRPOTrainer on the same work.
 
-Workload (the defaults): the realistic fixture (`trace_rl.realistic`) at Qwen2.5-0.5B's full size
+Workload (the defaults): the realistic fixture (`tests.realistic`) at Qwen2.5-0.5B's full size
 (`QWEN25_05B`: 24 layers, hidden 896, 151,936-token vocabulary, 494M parameters, random weights),
 bf16, `reverse-text` prompts, 64 rollouts per step (8 prompts x 8) of up to 512 completion tokens at
 temperature 1, grpo, lr 1e-6, `--steps` steps of which the first is warm-up. trace-rl samples with
@@ -47,7 +47,7 @@ SIDE_TIMEOUT_S = 3600
 
 
 def build_model(size: str, cache: str) -> str:
-    from trace_rl import realistic
+    from tests import realistic
 
     architecture = realistic.QWEN25_05B if size == "full" else realistic.ARCHITECTURE
     return str(realistic.build_realistic_model(Path(cache), repo_id=f"trace-rl/bench-qwen2-{size}",
@@ -112,9 +112,9 @@ def run_trace_rl(args, model_dir: str) -> list[dict]:
 
     from bench.timers import pipeline_timers
     from trace_rl.config import Config
-    from trace_rl.run import prepare_run
-    from trace_rl.session import session_for
-    from trace_rl.step import run_step
+    from trace_rl.pipeline.session import session_for
+    from trace_rl.pipeline.step import run_step
+    from trace_rl.runs.start import prepare_run
     from trace_rl.tables import read_batch
 
     cuda = torch.cuda.is_available()
@@ -150,7 +150,7 @@ def run_trace_rl(args, model_dir: str) -> list[dict]:
                     "trainer_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                     "device_peak_gb": memory.take() if cuda else None,
                 })
-        from trace_rl import quiet
+        from flows import quiet
 
         quiet.stop_engines()
     return rows

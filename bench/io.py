@@ -78,7 +78,7 @@ def build_model(directory: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trace_rl.tiny import ARCHITECTURE, build_tokenizer
+    from trace_rl.models.tiny import ARCHITECTURE, build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(**{**ARCHITECTURE, **SHAPE}, vocab_size=64 * ((len(tokenizer) + 63) // 64))
@@ -94,9 +94,9 @@ def weight_broadcast(tmp: str, storages: dict[str, tuple[str, dict]], repeats: i
     from trace_rl.config import Config
     from trace_rl.inference.broadcast import broadcast_weights
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import runtime_configs
+    from trace_rl.models.tiny import cache_dir
+    from trace_rl.pipeline.colocation import runtime_configs
     from trace_rl.storage import RunStorage
-    from trace_rl.tiny import cache_dir
     from trace_rl.trainer.trainer import Trainer
 
     model_dir = os.path.join(tmp, "model")
@@ -139,15 +139,14 @@ def weight_broadcast(tmp: str, storages: dict[str, tuple[str, dict]], repeats: i
 
 
 def parquet_throughput(storages: dict[str, tuple[str, dict]], repeats: int) -> dict:
+    import numpy as np
+
     from bench.algorithms import synthetic_step
     from trace_rl.algorithms import load_algorithm
     from trace_rl.algorithms.runner import run_algorithm
-    from trace_rl.channels import aggregate
+    from trace_rl.pipeline.channels import aggregate
     from trace_rl.storage import RunStorage
-    from trace_rl.tables import (read_batch, read_traces, samples_to_table, traces_to_table, write_batch,
-                                 write_traces)
-
-    import numpy as np
+    from trace_rl.tables import read_batch, read_traces, samples_to_table, traces_to_table, write_batch, write_traces
 
     traces = synthetic_step()
     rng = np.random.default_rng(0)

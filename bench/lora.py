@@ -1,6 +1,6 @@
 """Weight broadcast per step, full weights vs a LoRA adapter: bytes written and seconds.
 
-Model: `trace_rl.realistic`'s random Qwen2 (Qwen's 151,936-token vocabulary, hidden 64, 2 layers;
+Model: `tests.realistic`'s random Qwen2 (Qwen's 151,936-token vocabulary, hidden 64, 2 layers;
 float32). Each variant trains `STEPS` real trainer steps on a synthetic batch; after each, the
 step's broadcast is timed in its two halves, what a training step does after the optimizer step:
 
@@ -66,8 +66,8 @@ def measure(variant: str, model_dir: str, storage_root: str) -> dict:
     from trace_rl.config import Config
     from trace_rl.inference.broadcast import broadcast_weights
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import runtime_configs
     from trace_rl.names import POLICY
+    from trace_rl.pipeline.colocation import runtime_configs
     from trace_rl.storage import RunStorage
     from trace_rl.trainer.trainer import Trainer
 
@@ -100,8 +100,8 @@ def measure(variant: str, model_dir: str, storage_root: str) -> dict:
 
 
 def run() -> dict:
+    from tests.realistic import build_realistic_model
     from trace_rl.inference.vllm_engine import shutdown_engines
-    from trace_rl.realistic import build_realistic_model
 
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-lora-") as tmp:
         model_dir = str(build_realistic_model(Path(tmp) / "hub"))

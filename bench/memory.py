@@ -1,6 +1,6 @@
 """Trainer peak memory per 1k tokens: full-vocabulary logits (before) against chunked logprobs (after).
 
-Model: `trace_rl.realistic`'s random Qwen2 with Qwen's 151,936-token vocabulary (hidden 64,
+Model: `tests.realistic`'s random Qwen2 with Qwen's 151,936-token vocabulary (hidden 64,
 2 layers, head_dim 32, tied embeddings: 9.8M parameters, nearly all of them the embedding),
 float32 on CPU. Workload: one packed micro-batch of N tokens (4 samples of N/4 tokens, rl on
 the second half of each) through `Trainer.train_step` (forward, backward, AdamW step), after
@@ -89,7 +89,7 @@ def measure(variant: str, tokens: int, model_dir: str) -> dict:
 
 
 def build_model(cache_root: Path) -> str:
-    from trace_rl.realistic import build_realistic_model
+    from tests.realistic import build_realistic_model
 
     return str(build_realistic_model(cache_root))
 

@@ -75,7 +75,7 @@ def summarize(rows: list[dict], steps: int, k: int) -> dict:
 def run_one(workload: str, k: int, storage: str, steps: int) -> list[dict]:
     """Each step's metrics, with `time/step` the wall time of its `train_step` subflow."""
     import flows.train
-    from trace_rl.loading import load_config
+    from trace_rl.runs.loading import load_config
 
     config = load_config(ROOT / "configs" / "demo.toml", [
         *WORKLOADS[workload], f"name=overlap-{workload}-k{k}", f"storage={storage}", f"steps={steps}",
@@ -110,7 +110,7 @@ def reward_within(rows: list[dict], budget: float) -> tuple[int, float]:
 def run(steps: int = STEPS, workloads: tuple[str, ...] = tuple(WORKLOADS)) -> dict:
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-overlap-") as home:
         use_private_prefect(home)
-        from trace_rl import prefect_server
+        from flows import prefect_server
 
         server = prefect_server.start()
         os.environ["PREFECT_API_URL"] = server["api_url"]

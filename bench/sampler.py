@@ -18,8 +18,8 @@ import json
 import time
 
 from trace_rl.inference.build import build_runtime
-from trace_rl.models import RuntimeConfig, load_tokenizer
-from trace_rl.tiny import build_tiny
+from trace_rl.models.runtime import RuntimeConfig, load_tokenizer
+from trace_rl.models.tiny import build_tiny
 
 
 def prompts_for(model_path: str, count: int) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """Where a training step's time goes, and what Prefect and storage add to it.
 
 Reference CPU workload (`reference_config`): the tiny model (Qwen2, hidden 128, 2 layers,
-byte tokenizer; `trace_rl.tiny`), sampled with transformers generate (`inference.backend =
+byte tokenizer; `trace_rl.models.tiny`), sampled with transformers generate (`inference.backend =
 "hf"`), one env `reverse-text` with 8 examples x 8 rollouts (64 rollouts per step) of at most
 32 completion tokens at temperature 1, grpo, one optimizer step per training step
 (micro-batches of 4096 tokens, lr 1e-3), checkpoint and weight export every step.
@@ -9,7 +9,7 @@ byte tokenizer; `trace_rl.tiny`), sampled with transformers generate (`inference
 The same steps run twice in one process, as two runs: a real Prefect run
 (`flows.train.run_training`: the `train` flow with one `train_step` subflow per step, against
 an embedded Prefect server on a free loopback port, state in a temporary TRACE_RL_HOME), and
-the library alone (`trace_rl.step.run_step`). They are interleaved step by step, so the load
+the library alone (`trace_rl.pipeline.step.run_step`). They are interleaved step by step, so the load
 of a shared machine hits both alike: the run flow's `train_step` is wrapped so that step `s`
 of the library run executes right next to subflow `s` (before it on even steps, after it on
 odd ones). Both are timed by the same stage clocks (bench/timers.py), and so is the run flow's
@@ -112,7 +112,7 @@ def run(steps: int = STEPS) -> dict:
     """A `steps`-step Prefect run and a library run, interleaved; overhead ratios over the warm steps."""
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-step-") as home:
         use_private_prefect(home)
-        from trace_rl import prefect_server
+        from flows import prefect_server
 
         server = prefect_server.start()
         os.environ["PREFECT_API_URL"] = server["api_url"]
@@ -132,10 +132,10 @@ def run(steps: int = STEPS) -> dict:
 
 
 def library_stepper(config, timers):
-    """A function running step `s` of `config` through `trace_rl.step.run_step` alone, timed."""
-    from trace_rl.run import prepare_run
-    from trace_rl.session import session_for
-    from trace_rl.step import run_step
+    """A function running step `s` of `config` through `trace_rl.pipeline.step.run_step` alone, timed."""
+    from trace_rl.pipeline.session import session_for
+    from trace_rl.pipeline.step import run_step
+    from trace_rl.runs.start import prepare_run
 
     prepare_run(config, "new")
     session = session_for(config)

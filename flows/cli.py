@@ -14,11 +14,12 @@ import os
 import sys
 import traceback
 
-from trace_rl import quiet, reaper
+from flows import quiet
 from trace_rl.config import Config, ConfigError, config_to_toml
 from trace_rl.errors import FatalError, RefusedError
 from trace_rl.inference.vllm_logging import quiet_imports, verbose
-from trace_rl.loading import load_config
+from trace_rl.machine import reaper
+from trace_rl.runs.loading import load_config
 
 # vLLM's spawned processes (EngineCore and its worker) run this main module first, so this drops the
 # known-harmless warning vLLM logs on import there too (unless TRACE_RL_VERBOSE is set)
@@ -74,7 +75,7 @@ def _no_failure_tracebacks() -> None:
 def _prefect(configured: str | None = None) -> str:
     """Point this process at the Prefect server (starting the embedded one if none is set) and make sure it
     marks our flow runs Crashed when their heartbeats stop (flows/liveness.py)."""
-    from trace_rl.prefect_server import ensure_api_url
+    from flows.prefect_server import ensure_api_url
 
     api_url = ensure_api_url(configured)
     print(f"Prefect API: {api_url} (UI: {api_url.removesuffix('/api')})", file=sys.stderr)
@@ -93,8 +94,8 @@ def cmd_train(args) -> int:
 
         Console().print(Syntax(config_to_toml(config), "toml", theme="ansi_dark", background_color="default"))
         return 0
-    from trace_rl.preflight import check_reachable
-    from trace_rl.run import check_run, finished_message
+    from trace_rl.runs.preflight import check_reachable
+    from trace_rl.runs.start import check_run, finished_message
 
     storage = check_run(config, "resume" if args.resume else "overwrite" if args.overwrite else "new")
     finished = finished_message(config, storage) if args.resume else None
@@ -129,8 +130,8 @@ def cmd_trainer_node(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from trace_rl.evaluation import check_eval
-    from trace_rl.replay import source_config
+    from trace_rl.eval.evaluation import check_eval
+    from trace_rl.offline.replay import source_config
 
     config = source_config(args.run, overrides=args.overrides, flag="RUN")
     check_eval(config, args.step)
@@ -147,7 +148,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from trace_rl.replay import check_replay, check_train_start, parse_algorithms
+    from trace_rl.offline.replay import check_replay, check_train_start, parse_algorithms
 
     algorithms = parse_algorithms(args.algorithms)
     plan = check_replay(args.run, algorithms, args.out, args.steps, args.overwrite, overrides=args.overrides)
@@ -178,7 +179,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_server(args) -> int:
-    from trace_rl import prefect_server
+    from flows import prefect_server
 
     if args.action == "start":
         record = prefect_server.start()
@@ -201,7 +202,7 @@ def cmd_server(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from trace_rl.export import export_step
+    from trace_rl.offline.export import export_step
 
     for path in export_step(args.run, args.step, merged=args.merged, adapter=args.adapter):
         print(f"wrote {path}")

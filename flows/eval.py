@@ -1,4 +1,4 @@
-"""`eval`: held-out evaluation of a run's weights of one step (trace_rl/evaluation.py, docs/eval.md).
+"""`eval`: held-out evaluation of a run's weights of one step (trace_rl/eval/evaluation.py, docs/eval.md).
 
 `train` runs it as a subflow every `[eval] interval` steps; `trace-rl eval RUN --step N` and the
 `<name>-eval` deployment of `trace-rl serve` run it on demand on a finished step's weights.
@@ -16,11 +16,11 @@ from rich.table import Table
 
 from flows.artifacts import artifact_key
 from trace_rl.config import Config
-from trace_rl.evaluation import check_eval, tracker_metrics
-from trace_rl.evaluation import evaluate as evaluate_step
-from trace_rl.session import session_for
-from trace_rl.step import run_sync
-from trace_rl.tracking import Trackers
+from trace_rl.eval.evaluation import check_eval, tracker_metrics
+from trace_rl.eval.evaluation import evaluate as evaluate_step
+from trace_rl.pipeline.session import session_for
+from trace_rl.pipeline.step import run_sync
+from trace_rl.runs.tracking import Trackers
 
 # progress(done, total) after each eval sample, for the caller's progress bar (a callable is no flow parameter)
 PROGRESS: ContextVar = ContextVar("eval_progress", default=None)

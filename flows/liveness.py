@@ -50,7 +50,7 @@ from prefect.states import Crashed
 from prefect.utilities.urls import url_for
 
 from trace_rl.errors import RefusedError
-from trace_rl.processes import identity, on_this_machine, still_running
+from trace_rl.machine.processes import identity, on_this_machine, still_running
 
 # states a process holds a run in (a Scheduled one, e.g. awaiting a retry, has no process yet)
 OPEN = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from trace_rl.config import Config
-from trace_rl.loading import check_config
+from trace_rl.runs.loading import check_config
 from trace_rl.trainer.nodes import serve_node
 
 

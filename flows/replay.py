@@ -12,8 +12,8 @@ from rich.table import Table
 from flows.artifacts import aligned, reward_mean
 from tasks.replay_step import replay_step
 from tasks.train_replayed import train_replayed
-from trace_rl import replay as lib
 from trace_rl.algorithms.base import AlgorithmConfig
+from trace_rl.offline import replay as lib
 from trace_rl.storage import RunStorage, step_name
 
 
@@ -25,8 +25,8 @@ def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | N
     lib.check_train_start(plan.source, plan.source_storage, train, from_step, model)
     config, out_storage, chosen = plan.config, plan.out, plan.steps
     lib.prepare_out(out_storage)
-    from trace_rl.session import session_for
-    from trace_rl.step import algorithm_jobs
+    from trace_rl.pipeline.session import session_for
+    from trace_rl.pipeline.step import algorithm_jobs
 
     states = lib.initial_states(session_for(config), chosen[0], algorithm_jobs(config)) if chosen else {}
     summaries = []

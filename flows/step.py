@@ -1,7 +1,7 @@
 """`train_step`: one training step as a Prefect flow, its stages as tasks in a fixed order.
 
 With `[async] max_off_policy_steps = k >= 1` the step also samples the steps after it (up to step + k,
-trace_rl.schedule) as submitted `sample_rollouts-step-<m>` task runs that run beside its `train` task,
+trace_rl.pipeline.schedule) as submitted `sample_rollouts-step-<m>` task runs that run beside its `train` task,
 and returns their results: the next `train_step` starts from them instead of sampling.
 """
 
@@ -14,14 +14,14 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.aggregate_channels import aggregate_channels
 from tasks.broadcast_weights import broadcast_weights
+from tasks.caching import stage_options
 from tasks.run_algorithm import run_algorithm
 from tasks.sample_rollouts import sample_rollouts
 from tasks.train import train
 from tasks.validate_dimensions import validate_dimensions
 from tasks.write_batch import write_batch
-from tasks.caching import stage_options
-from trace_rl import step as stages
 from trace_rl.config import Config
+from trace_rl.pipeline import step as stages
 from trace_rl.storage import RunStorage
 
 

@@ -18,12 +18,12 @@ from flows.eval import eval_table, evaluate_with_progress
 from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_flow_run, without_heartbeat
 from flows.step import train_step
 from trace_rl.config import Config
-from trace_rl.evaluation import evaluates_at, tracker_metrics
-from trace_rl.run import finished_message, prepare_run
-from trace_rl.schedule import sampled_while_training
-from trace_rl.session import finish_checkpoint_writes
+from trace_rl.eval.evaluation import evaluates_at, tracker_metrics
+from trace_rl.pipeline.schedule import sampled_while_training
+from trace_rl.pipeline.session import finish_checkpoint_writes
+from trace_rl.runs.start import finished_message, prepare_run
+from trace_rl.runs.tracking import Trackers, step_metrics
 from trace_rl.storage import RunStorage, eval_dir, step_name
-from trace_rl.tracking import Trackers, step_metrics
 
 PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes up every step
 

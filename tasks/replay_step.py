@@ -1,9 +1,9 @@
 from prefect import task
 
-from trace_rl import replay
 from trace_rl.config import Config
-from trace_rl.session import session_for
-from trace_rl.step import algorithm_jobs
+from trace_rl.offline import replay
+from trace_rl.pipeline.session import session_for
+from trace_rl.pipeline.step import algorithm_jobs
 from trace_rl.storage import RunStorage
 
 

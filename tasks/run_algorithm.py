@@ -1,8 +1,8 @@
 from prefect import task
 
-from trace_rl import step as stages
 from trace_rl.config import Config
-from trace_rl.session import session_for
+from trace_rl.pipeline import step as stages
+from trace_rl.pipeline.session import session_for
 
 
 @task(name="run_algorithm", task_run_name="{job.config.id}")

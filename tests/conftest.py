@@ -65,7 +65,7 @@ def s3_server():
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """The session's one real Prefect server process, for every test that runs flows."""
-    from trace_rl import prefect_server
+    from flows import prefect_server
 
     os.environ["TRACE_RL_PREFECT_PORT"] = str(free_port())
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-client"))
@@ -97,7 +97,7 @@ def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from trace_rl.tiny import build_tiny
+    from trace_rl.models.tiny import build_tiny
 
     return str(build_tiny(0))
 
@@ -116,9 +116,9 @@ def vllm_runtime(tiny_model_path):
 
     Tests that broadcast other weights into it load the tiny model's own weights back afterwards.
     """
-    from trace_rl.inference.vllm_engine import shutdown_engines
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.inference.vllm_engine import shutdown_engines
+    from trace_rl.models.runtime import RuntimeConfig
 
     yield build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
     shutdown_engines()
@@ -135,7 +135,7 @@ def vllm_lora_runtime(vllm_runtime, tiny_model_path):
     shared one. Tests load the tiny model's own weights back (which drops the adapter) when done."""
     from trace_rl.config import LoraConfig
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.models.runtime import RuntimeConfig
 
     return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm",
                                        lora=LoraConfig(rank=LORA_RANK), **VLLM_ENGINE))
@@ -154,7 +154,7 @@ def shared_vllm(vllm_runtime, tiny_model_path):
 
 @pytest.fixture(scope="session")
 def realistic_model():
-    """The realistic fixture model (`trace_rl.realistic`), built once into a Hugging Face hub cache under the
+    """The realistic fixture model (`tests.realistic`), built once into a Hugging Face hub cache under the
     session's cache, with HF_HUB_CACHE pointing there and HF_HUB_OFFLINE=1 for the rest of the session, so
     `model.name = "trace-rl/qwen2-fixture"` resolves by hub id exactly as a downloaded model does.
 
@@ -163,7 +163,7 @@ def realistic_model():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from trace_rl.realistic import REPO_ID, build_realistic_model
+    from tests.realistic import REPO_ID, build_realistic_model
 
     cache = Path(os.environ["TRACE_RL_CACHE"]) / "hf-hub"
     path = build_realistic_model(cache)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trace_rl.config import ConfigError, LossConfig, config_to_toml
-from trace_rl.loading import load_config, validate_config
+from trace_rl.runs.loading import load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VLLM_OVERRIDES
-from trace_rl.loading import load_config
+from trace_rl.runs.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -31,8 +31,8 @@ def test_the_demo_is_grpo_on_reverse_text():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, shared_vllm):
     """Two small steps of each config on the session's vLLM engine: sampling, algorithms, batch, train, broadcast."""
-    from trace_rl.session import Session
-    from trace_rl.step import run_step
+    from trace_rl.pipeline.session import Session
+    from trace_rl.pipeline.step import run_step
     from trace_rl.tables import read_batch
 
     overrides = [*VLLM_OVERRIDES, f"storage={tmp_path}", "steps=2", "sampling.max_completion_tokens=6"]
@@ -62,7 +62,7 @@ def load_algorithm_loss(algorithm_id: str) -> str:
 def test_prefect_yaml_demo_deployment_is_the_demo_config():
     import yaml
 
-    from trace_rl.loading import validate_config
+    from trace_rl.runs.loading import validate_config
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     assert deployments["demo"]["entrypoint"] == "flows/train.py:train"
@@ -98,7 +98,7 @@ def test_prefect_yaml_two_node_deployments_share_one_config():
     """docs/scaling.md: the trainer-node deployment serves the run of the two-node train deployment (same config)."""
     import yaml
 
-    from trace_rl.loading import validate_config
+    from trace_rl.runs.loading import validate_config
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     train, node = deployments["demo-2-nodes"], deployments["demo-2-nodes-1"]

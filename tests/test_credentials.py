@@ -103,10 +103,10 @@ def test_a_prefect_secret_reference_outside_the_flows_names_the_fix():
 
 
 def test_a_run_on_s3_works_with_its_secret_which_stays_out_of_its_files(s3_server, tmp_path, monkeypatch):
-    from tests.test_trace import make_trace
+    from tests.data.test_trace import make_trace
     from trace_rl.config import AlgorithmConfig
-    from trace_rl.replay import replay_config, source_config
-    from trace_rl.run import prepare_run
+    from trace_rl.offline.replay import replay_config, source_config
+    from trace_rl.runs.start import prepare_run
     from trace_rl.tables import read_traces, write_traces
 
     monkeypatch.setenv("TRACE_RL_TEST_S3_SECRET", SECRET)

@@ -5,10 +5,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tests.data.test_trace import make_branch, make_trace
 from trace_rl.data.sample import TrainingSample
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch, read_traces, write_batch, write_traces
-from tests.test_trace import make_branch, make_trace
 
 
 def sample_traces():

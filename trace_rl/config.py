@@ -1,7 +1,7 @@
 """Run configuration: the pydantic models of a run's TOML, with `--set key=value` overrides.
 
 This module is the schema only and imports nothing of trace_rl but leaf modules; the checks
-against the env and algorithm registries and the disk live in `trace_rl.loading`, which is
+against the env and algorithm registries and the disk live in `trace_rl.runs.loading`, which is
 what loads a run's config. Importing either stays cheap (no torch, no vllm) for `--dry-run`.
 """
 
@@ -625,7 +625,7 @@ def parse_config(data: dict[str, Any]) -> Config:
     """Build a Config from plain data, every schema problem collected into one ConfigError.
 
     Only the schema: the checks that need the env and algorithm registries or the disk run where
-    a run is loaded (`trace_rl.loading`)."""
+    a run is loaded (`trace_rl.runs.loading`)."""
     try:
         return Config(**data)
     except ValidationError as exc:

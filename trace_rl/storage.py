@@ -41,7 +41,7 @@ def step_name(step: int) -> str:
 
 
 def eval_dir(storage: RunStorage, step: int) -> str:
-    """Where the eval of the weights of `step` goes (trace_rl.evaluation)."""
+    """Where the eval of the weights of `step` goes (trace_rl.eval.evaluation)."""
     return storage.path("eval", f"step_{step_name(step)}")
 
 

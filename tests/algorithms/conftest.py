@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def policy_runtime():
     from trace_rl.inference.hf import HFRuntime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.models.runtime import RuntimeConfig
 
     return HFRuntime(RuntimeConfig(key="policy", name="tiny:0"))
 
@@ -16,6 +16,6 @@ def policy_runtime():
 @pytest.fixture(scope="module")
 def reference_runtime():
     from trace_rl.inference.hf import HFRuntime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.models.runtime import RuntimeConfig
 
     return HFRuntime(RuntimeConfig(key="reference", name="tiny:1"))

@@ -1,12 +1,11 @@
 import numpy as np
 import pytest
 
-from trace_rl.channels import aggregate, channel_stats
+from tests.algorithms.helpers import reward_trace
 from trace_rl.data.channel import Channel
+from trace_rl.pipeline.channels import aggregate, channel_stats
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch, read_channels, write_batch, write_channels
-
-from tests.algorithms.helpers import reward_trace
 
 
 def at(positions, values, n=8):

@@ -1,7 +1,7 @@
 import pytest
 
 from trace_rl.config import ConfigError
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 
 
 def config(algorithms, actor="policy", models=None):

@@ -1,12 +1,11 @@
 import numpy as np
 import pytest
 
+from tests.algorithms.helpers import chat_branch, make_trace, run
 from trace_rl.algorithms import AlgorithmError, load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
-from trace_rl.channels import aggregate
 from trace_rl.data.trace import Branch
-
-from tests.algorithms.helpers import chat_branch, make_trace, run
+from trace_rl.pipeline.channels import aggregate
 
 # 0 system | 1 user | 2 assistant (sampled, calls search) | 3 tool result | 4 assistant put there by the env
 # | 5 user feedback | 6 system notice | 7 assistant (sampled)

@@ -11,7 +11,7 @@ from tests.algorithms.helpers import chat_branch, make_trace, reward_trace, run
 from trace_rl.algorithms import AlgorithmError, load_algorithm
 from trace_rl.algorithms.runner import run_algorithm
 from trace_rl.config import Config
-from trace_rl.loading import check_algorithms
+from trace_rl.runs.loading import check_algorithms
 
 
 def advantages(spec, traces) -> dict[str, float]:

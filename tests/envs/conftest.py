@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from trace_rl.inference.build import build_runtime
-from trace_rl.models import Generation, RuntimeConfig
+from trace_rl.models.runtime import Generation, RuntimeConfig
 
 VLLM_FIXTURE = "vllm_runtime"  # the session vLLM engine on the tiny model (tests/conftest.py)
 

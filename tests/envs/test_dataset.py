@@ -15,8 +15,8 @@ from tests.flows.conftest import small_config
 from trace_rl.config import ConfigError, SamplingConfig
 from trace_rl.envs import EnvError, Sampler, load_env
 from trace_rl.envs.rewards import exact_match, load_reward, math_match, numeric_match
-from trace_rl.loading import validate_config
-from trace_rl.tiny import build_tokenizer
+from trace_rl.models.tiny import build_tokenizer
+from trace_rl.runs.loading import validate_config
 
 ROWS = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 7)]
 SAMPLING = SamplingConfig(temperature=1.0, max_completion_tokens=8)

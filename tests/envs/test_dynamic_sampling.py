@@ -11,8 +11,8 @@ import pytest
 from trace_rl.config import Config, ConfigError
 from trace_rl.data.trace import Trace, group_traces
 from trace_rl.envs.base import Environment, Example, Sampler
-from trace_rl.loading import validate_config
-from trace_rl.rollouts import sample_rollouts
+from trace_rl.pipeline.rollouts import sample_rollouts
+from trace_rl.runs.loading import validate_config
 
 ENV = "tests.envs.test_dynamic_sampling:Coin"
 

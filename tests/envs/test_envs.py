@@ -15,8 +15,8 @@ from trace_rl.envs import EnvError, Environment, Sampler, load_env, resolve_env_
 from trace_rl.envs.alphabet_sort import answer_lines
 from trace_rl.envs.similarity import similarity
 from trace_rl.envs.tool_calls import parse_tool_calls
-from trace_rl.render import Renderer
-from trace_rl.tiny import build_tokenizer
+from trace_rl.models.render import Renderer
+from trace_rl.models.tiny import build_tokenizer
 
 SAMPLING = SamplingConfig(temperature=0.9, max_completion_tokens=12)
 

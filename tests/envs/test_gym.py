@@ -11,8 +11,8 @@ from tests.flows.conftest import small_config
 from trace_rl.config import ConfigError, SamplingConfig
 from trace_rl.envs import Sampler, load_env
 from trace_rl.envs.gym import reply_answer
-from trace_rl.loading import validate_config
-from trace_rl.tiny import build_tokenizer
+from trace_rl.models.tiny import build_tokenizer
+from trace_rl.runs.loading import validate_config
 
 pytest.importorskip("reasoning_gym", reason="the optional reasoning-gym package (pip install 'trace-rl[gym]')")
 ARGS = {"task": "basic_arithmetic", "options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}

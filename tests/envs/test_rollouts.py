@@ -15,7 +15,7 @@ from trace_rl.config import Config
 from trace_rl.data.trace import Message, TraceError, group_traces
 from trace_rl.envs.base import Environment, Example
 from trace_rl.errors import RetryableError
-from trace_rl.rollouts import RolloutError, sample_rollouts
+from trace_rl.pipeline.rollouts import RolloutError, sample_rollouts
 
 
 def make_config(**inference) -> Config:
@@ -99,7 +99,7 @@ def test_other_errors_mark_traces_and_failed_groups_are_reported(hf_runtime, cap
     for env in config.env:
         env.max_error_fraction = 1.0  # every rollout fails on purpose
     broken = FailingRuntime(hf_runtime, ValueError("bad prompt"))
-    with caplog.at_level(logging.WARNING, logger="trace_rl.rollouts"):
+    with caplog.at_level(logging.WARNING, logger="trace_rl.pipeline.rollouts"):
         traces, summary = run(config, broken)
     assert broken.calls == 2 * 2 + 2  # no retries: one call per rollout
     assert len(traces) == 6 and all(t.error == "ValueError: bad prompt" and not t.ok for t in traces)

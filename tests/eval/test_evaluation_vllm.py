@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import VLLM_OVERRIDES
 from tests.flows.conftest import small_config
 from trace_rl.config import apply_override
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 
 EVAL = {"k": 2, "num_examples": 2, "interval": 2, "envs": [{"id": "reverse-text"}]}
 
@@ -24,9 +24,9 @@ def vllm_config(storage: Path, name: str, **overrides):
 
 @pytest.mark.vllm
 def test_eval_between_steps_on_vllm_leaves_the_weights_bitwise_identical(tmp_path, shared_vllm):
-    from trace_rl.evaluation import evaluate, evaluates_at
-    from trace_rl.session import Session
-    from trace_rl.step import run_step, run_sync
+    from trace_rl.eval.evaluation import evaluate, evaluates_at
+    from trace_rl.pipeline.session import Session
+    from trace_rl.pipeline.step import run_step, run_sync
 
     weights = {}
     for name, overrides in (("plain", {}), ("evaluated", {"eval": EVAL})):

@@ -2,7 +2,7 @@ from math import comb
 
 import pytest
 
-from trace_rl.passk import avg_at_k, mean_pass_at_k, pass_at_k, pass_k_values
+from trace_rl.eval.passk import avg_at_k, mean_pass_at_k, pass_at_k, pass_k_values
 
 
 @pytest.mark.parametrize("n,c,k", [(10, 3, 1), (10, 3, 5), (8, 1, 4), (5, 2, 2), (20, 7, 10), (4, 3, 2)])

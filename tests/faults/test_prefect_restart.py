@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from flows import prefect_server
 from tests.faults.conftest import model_bytes, write_config
 from tests.flows.test_crash_resume import finish, output, start
-from trace_rl import prefect_server
 from trace_rl.storage import RunStorage
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.flows.conftest import small_config
-from trace_rl.loading import validate_config
-from trace_rl.schedule import sampling_weights
+from trace_rl.pipeline.schedule import sampling_weights
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_traces
 
@@ -92,8 +92,8 @@ def test_replay_of_an_async_run_reproduces_its_batches(prefect_api, async_run, t
 def test_k0_trains_the_same_weights_as_the_synchronous_library_loop(prefect_api, tmp_path):
     """The flow with `[async] max_off_policy_steps = 0` against `run_step` step by step: bitwise the same."""
     from flows.train import run_training
-    from trace_rl.session import Session
-    from trace_rl.step import run_step
+    from trace_rl.pipeline.session import Session
+    from trace_rl.pipeline.step import run_step
 
     flowed = validate_config(small_config(str(tmp_path), "k0-flow", steps=3, **{"async": {"max_off_policy_steps": 0}}))
     run_training(flowed)
@@ -130,9 +130,9 @@ def test_the_async_demo_config_learns_on_cpu(tmp_path):
     each step with the same scheduled weights as the flow, so it learns the same."""
     from pathlib import Path
 
-    from trace_rl.loading import load_config
-    from trace_rl.session import Session
-    from trace_rl.step import run_step
+    from trace_rl.pipeline.session import Session
+    from trace_rl.pipeline.step import run_step
+    from trace_rl.runs.loading import load_config
 
     config = load_config(Path(__file__).resolve().parents[2] / "configs" / "async.toml",
                          [f"storage={tmp_path}", "inference.backend=hf", "steps=10"])

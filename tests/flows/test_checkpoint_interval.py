@@ -6,8 +6,8 @@ from pathlib import Path
 
 from tests.flows.conftest import small_config
 from tests.flows.test_pipeline import step_runs
-from trace_rl import session
-from trace_rl.loading import validate_config
+from trace_rl.pipeline import session
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 
 

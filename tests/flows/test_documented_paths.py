@@ -67,7 +67,7 @@ def pattern(path: str) -> re.Pattern:
 def run_files(prefect_api, tmp_path_factory) -> list[str]:
     """Every file and directory (with a trailing /) of a real two-step run, relative to its run directory."""
     from flows.train import run_training
-    from trace_rl.loading import validate_config
+    from trace_rl.runs.loading import validate_config
 
     evaluation = {"k": 1, "num_examples": 1, "envs": [{"id": "reverse-text"}]}  # writes eval/step_000002/
     config = validate_config(small_config(str(tmp_path_factory.mktemp("runs")), "documented", eval=evaluation))

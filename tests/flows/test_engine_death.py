@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from tests.conftest import VLLM_ENGINE
-from tests.flows.test_crash_resume import finish, output, start, weights
 from tests.flows.conftest import small_config
+from tests.flows.test_crash_resume import finish, output, start, weights
 from trace_rl.storage import RunStorage
 
 STEPS = 3
@@ -52,7 +52,7 @@ def engine_core_pid(parent: int) -> int | None:
 
 def engine_cpu_seconds(parent: int) -> float:
     """CPU time used so far by the vLLM processes under `parent` (the engine works only while it samples)."""
-    from trace_rl.processes import descendants, name
+    from trace_rl.machine.processes import descendants, name
 
     ticks = 0
     for pid in descendants(parent):

@@ -13,7 +13,7 @@ import pytest
 
 from tests.flows.conftest import small_config
 from tests.flows.test_lifecycle import cli
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 
 EVAL = {"interval": 2, "k": 4, "num_examples": 3, "pass_reward": 0.5,
@@ -111,7 +111,7 @@ def test_cli_eval_of_a_finished_runs_checkpoint(prefect_api, runs):
 
 
 def test_a_finished_eval_is_read_back_only_with_the_same_settings(runs):
-    from trace_rl.evaluation import finished_eval
+    from trace_rl.eval.evaluation import finished_eval
 
     _, evaluated = runs
     storage = RunStorage(evaluated.storage, evaluated.name)
@@ -136,9 +136,9 @@ def test_cli_eval_refuses_a_run_without_eval_or_weights(prefect_api, runs):
 def test_eval_with_async_sampling_scores_the_weights_of_its_step(runs):
     """With `[async] max_off_policy_steps = 1` the sampler runs older weights than the step's: the eval of step 4
     still scores `weights/4`, giving the synchronous run's numbers."""
-    from trace_rl.evaluation import evaluate
-    from trace_rl.session import session_for
-    from trace_rl.step import run_sync
+    from trace_rl.eval.evaluation import evaluate
+    from trace_rl.pipeline.session import session_for
+    from trace_rl.pipeline.step import run_sync
 
     _, evaluated = runs
     before = pq.read_table(eval_dir(evaluated, 4) / "metrics.parquet")

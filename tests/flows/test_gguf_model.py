@@ -1,4 +1,4 @@
-"""A real pretrained chat model end to end: SmolLM2-135M-Instruct from its GGUF (`smollm2-135m`, trace_rl.gguf) on
+"""A real pretrained chat model end to end: SmolLM2-135M-Instruct from its GGUF (`smollm2-135m`, trace_rl.models.gguf) on
 the in-process vLLM sampler, in float32, through the Prefect flow, on single-turn math, the multi-turn
 `alphabet-sort` and the tool env `link-nav`, all rendered by the model's own ChatML template and tokenizer.
 The sampler and the trainer agree within 1e-4 (mean |logprob difference|), and every sampled turn in the traces
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VLLM_ENGINE
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_traces
 

@@ -18,7 +18,7 @@ import tomli_w
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import ROOT, finish, output, start
 from tests.flows.test_engine_death import sampling, write_config
-from trace_rl.processes import descendants, is_alive, name, stat
+from trace_rl.machine.processes import descendants, is_alive, name, stat
 from trace_rl.storage import RunStorage
 
 GONE_WITHIN_S = 15
@@ -49,7 +49,7 @@ def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
 @pytest.mark.slow
 def test_refusals_are_one_message_with_exit_code_2_and_no_flow_run(prefect_api, tmp_path):
     from trace_rl.config import config_to_toml
-    from trace_rl.loading import validate_config
+    from trace_rl.runs.loading import validate_config
 
     config = tmp_path / "existing.toml"
     config.write_text(tomli_w.dumps(small_config(str(tmp_path / "runs"), "existing")))
@@ -130,7 +130,7 @@ def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefe
 
 @pytest.mark.slow
 def test_server_start_marks_the_flow_runs_of_dead_processes_crashed(prefect_api, tmp_path):
-    from trace_rl.processes import identity
+    from trace_rl.machine.processes import identity
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     process = identity(gone.pid)  # taken while it runs, as a flow run labels itself
@@ -182,7 +182,7 @@ def test_the_train_flow_on_a_finished_run_says_so_and_runs_no_step(prefect_api, 
     message `trace-rl train --resume` prints, and no step subflow."""
     from flows.train import train
     from tests.flows.test_pipeline import step_runs
-    from trace_rl.loading import validate_config
+    from trace_rl.runs.loading import validate_config
 
     config = validate_config(small_config(str(tmp_path / "runs"), "finished-flow"))
     storage = RunStorage(config.storage, config.name)

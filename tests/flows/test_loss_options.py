@@ -8,7 +8,7 @@ import pytest
 
 from tests.flows.conftest import small_config
 from trace_rl.algorithms.base import AlgorithmConfig
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 
 

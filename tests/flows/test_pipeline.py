@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.flows.conftest import small_config
-from trace_rl.loading import validate_config
-from trace_rl.run import RunExistsError
+from trace_rl.runs.loading import validate_config
+from trace_rl.runs.start import RunExistsError
 from trace_rl.storage import RunStorage
 
 STAGES = ["sample_rollouts", "grpo", "validate_dimensions", "aggregate_channels", "write_batch", "train",
@@ -63,7 +63,7 @@ def test_a_finished_run_has_its_files_and_metrics(finished_run):
 
 
 def test_a_new_run_refuses_an_existing_directory(finished_run):
-    from trace_rl.run import prepare_run
+    from trace_rl.runs.start import prepare_run
 
     with pytest.raises(RunExistsError, match="--resume.*--overwrite"):
         prepare_run(finished_run, "new")

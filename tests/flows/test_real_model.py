@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from tests.conftest import VLLM_ENGINE
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 
 MAX_MEAN_ABS_LOGPROB_DIFF = 1e-2

@@ -9,7 +9,7 @@ import pytest
 from tests.flows.conftest import small_config
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.errors import RefusedError
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 
 STEPS = 3
@@ -31,8 +31,8 @@ def pruned_run(prefect_api, tmp_path_factory) -> RunStorage:
 
 def built_runtimes(run: RunStorage, algorithms: list[AlgorithmConfig]) -> list:
     """The runtimes the replay's session built (the session is the process's, kept after the flow)."""
-    from trace_rl.replay import replay_config, source_config
-    from trace_rl.session import session_for
+    from trace_rl.offline.replay import replay_config, source_config
+    from trace_rl.pipeline.session import session_for
 
     return session_for(replay_config(source_config(run.url), algorithms)).runtimes.built()
 

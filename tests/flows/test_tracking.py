@@ -17,9 +17,9 @@ import pytest
 
 from tests.conftest import free_port
 from tests.flows.conftest import small_config
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
+from trace_rl.runs.tracking import Trackers, flatten, public_config, state_path
 from trace_rl.storage import RunStorage
-from trace_rl.tracking import Trackers, flatten, public_config, state_path
 
 MLFLOW_START_S = 180  # the server creates its database and starts uvicorn: ~30 s on a busy 2-core machine
 

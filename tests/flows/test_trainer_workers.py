@@ -6,11 +6,11 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.flows.conftest import small_config
-from trace_rl import processes
-from trace_rl.trainer.workers import stop_all
-from trace_rl.loading import validate_config
-from trace_rl.session import session_for
+from trace_rl.machine import processes
+from trace_rl.pipeline.session import session_for
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
+from trace_rl.trainer.workers import stop_all
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import tomli_w
 
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import STEPS, finish, output, start, weights
-from trace_rl.processes import command, descendants, is_alive, stat
+from trace_rl.machine.processes import command, descendants, is_alive, stat
 from trace_rl.storage import RunStorage
 
 GONE_WITHIN_S = 15

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trace_rl.data.sample import TrainingSample
-from trace_rl.models import load_tokenizer
+from trace_rl.models.runtime import load_tokenizer
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.packing import collate
 from trace_rl.trainer.trainer import token_logprobs
@@ -79,7 +79,7 @@ def prompt_ids(tiny_model_path) -> list[int]:
 @pytest.fixture(scope="session")
 def hf_runtime(tiny_model_path):
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.models.runtime import RuntimeConfig
 
     return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
 

@@ -19,8 +19,8 @@ from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.build import build_runtime
 from trace_rl.inference.vllm_engine import engine_arguments
-from trace_rl.loading import load_config
-from trace_rl.models import RuntimeConfig
+from trace_rl.models.runtime import RuntimeConfig
+from trace_rl.runs.loading import load_config
 
 pytestmark = pytest.mark.vllm
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
@@ -52,8 +52,8 @@ def test_seeded_requests_past_the_step_budget_sample_the_same_tokens_as_alone(vl
 @pytest.mark.parametrize("name", ["alphabet-sort", "link-nav"])
 def test_multi_turn_envs_train_two_steps_past_the_step_budget(name, tmp_path, shared_vllm):
     """The configs that crashed, two steps each, with more prompt tokens in flight than one engine step takes."""
-    from trace_rl.session import Session
-    from trace_rl.step import run_step
+    from trace_rl.pipeline.session import Session
+    from trace_rl.pipeline.step import run_step
     from trace_rl.tables import read_traces
 
     config = load_config(os.path.join(CONFIGS, f"{name}.toml"),

@@ -81,7 +81,7 @@ def test_batched_logprobs_equal_the_score_path(hf_runtime, prompt_ids, temperatu
 def test_each_row_stops_on_its_own(tiny_model_path, prompt_ids):
     """With 'e' as a second stop token, rows end at different steps; every other row goes on to its budget."""
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.models.runtime import RuntimeConfig
 
     runtime = build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf",
                                           stop_tokens=["<|im_end|>", "e"]))

@@ -18,7 +18,7 @@ from tests.inference.conftest import LORA_STEPS, peft_logprobs, trainer_logprobs
 from trace_rl.config import LoraConfig
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
 from trace_rl.inference.build import BaseModelView, build_runtime
-from trace_rl.models import RuntimeConfig
+from trace_rl.models.runtime import RuntimeConfig
 
 TOLERANCE = 2e-4  # the full-weight samplers' tolerance (tests/inference/test_samplers.py)
 TEMPERATURE = 0.7
@@ -108,7 +108,7 @@ def test_transformers_sampler_runs_the_peft_model(lora_run, tiny_model_path, pro
 
 def test_a_reference_that_is_the_policys_base_is_served_by_the_policy_without_adapter(tiny_model_path, tmp_path):
     from trace_rl.config import Config
-    from trace_rl.session import LazyRuntimes
+    from trace_rl.pipeline.session import LazyRuntimes
 
     def config(lora):
         return Config(name="ref", storage=str(tmp_path), env=[{"id": "reverse-text"}],

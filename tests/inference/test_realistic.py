@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import VLLM_ENGINE
 from tests.inference.conftest import trainer_logprobs
 from trace_rl.inference.build import build_runtime
-from trace_rl.models import RuntimeConfig, load_tokenizer
+from trace_rl.models.runtime import RuntimeConfig, load_tokenizer
 
 TOLERANCE = 2e-4
 TEMPERATURE = 0.7

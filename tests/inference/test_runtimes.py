@@ -8,8 +8,9 @@ import pytest
 
 from trace_rl.inference.build import TokenlessRuntime, build_runtime
 from trace_rl.inference.hf import HFRuntime
-from trace_rl.loading import validate_config
-from trace_rl.models import RuntimeConfig, runtime_configs
+from trace_rl.models.runtime import RuntimeConfig
+from trace_rl.pipeline.colocation import runtime_configs
+from trace_rl.runs.loading import validate_config
 
 
 def test_runtime_configs_from_run_config():

@@ -62,7 +62,7 @@ def test_vllm_and_hf_agree_on_scores(hf_runtime, vllm_runtime, prompt_ids):
 def test_configured_stop_tokens_end_a_turn(backend, tiny_model_path, prompt_ids, request):
     """A second stop token ends generation as the eos token does, in every sampler (vLLM: the session engine)."""
     from trace_rl.inference.build import build_runtime
-    from trace_rl.models import RuntimeConfig
+    from trace_rl.models.runtime import RuntimeConfig
 
     if backend == "vllm":
         request.getfixturevalue("vllm_runtime")  # the engine this runtime shares

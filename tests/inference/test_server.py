@@ -12,7 +12,7 @@ from tests.inference.conftest import UPDATED_STEP, trainer_logprobs
 from tests.inference.test_samplers import assert_stop_strings_cut_turns
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
 from trace_rl.inference.build import build_runtime
-from trace_rl.models import RuntimeConfig
+from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.storage import RunStorage
 
 pytestmark = pytest.mark.vllm

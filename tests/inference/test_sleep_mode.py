@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from trace_rl.models import RuntimeConfig
+from trace_rl.models.runtime import RuntimeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="vLLM's sleep mode needs a CUDA GPU (its CPU backend has none)")

@@ -20,11 +20,11 @@ from trace_rl.algorithms.distill import OPD
 from trace_rl.algorithms.runner import run_algorithm
 from trace_rl.config import EnvConfig, RemoteConfig
 from trace_rl.data.trace import Branch, Message, ToolCall, Trace
-from trace_rl.models import RuntimeConfig
+from trace_rl.data.validate import DimensionError
+from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.remote import RemoteAlgorithmError, remote_server_for, run_remote_algorithm
 from trace_rl.remote.server import is_loopback
 from trace_rl.remote.wire import RunRequest
-from trace_rl.validate import DimensionError
 
 FAST = RemoteConfig(timeout_s=30, max_retries=0, retry_backoff_s=0.05, token_env=TOKEN_ENV)
 

@@ -10,7 +10,7 @@ from tests.conftest import free_port
 from tests.flows.conftest import small_config
 from tests.flows.test_pipeline import step_runs
 from tests.remote.conftest import TOKEN_ENV, env_server
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch, read_traces
 

@@ -14,7 +14,7 @@ import torch
 
 from trace_rl.config import ConfigError, KLConfig, LossConfig
 from trace_rl.data.sample import TrainingSample
-from trace_rl.loading import validate_config
+from trace_rl.runs.loading import validate_config
 from trace_rl.tables import samples_to_table, table_to_samples
 from trace_rl.trainer.loss import compute_loss, kl_estimate
 from trace_rl.trainer.packing import pack

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.conftest import make_batch, storage_for
-from trace_rl import processes
+from trace_rl.machine import processes
 from trace_rl.tables import write_batch
 from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.resume import TrainerError

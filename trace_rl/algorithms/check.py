@@ -1,4 +1,4 @@
-"""Config-time checks of every env's algorithm list (run by `trace_rl.loading.check_config`)."""
+"""Config-time checks of every env's algorithm list (run by `trace_rl.runs.loading.check_config`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def check_algorithm(where: str, algo: AlgorithmConfig, env_id: str, server: str 
                     config: Config | None = None) -> list[str]:
     """The problems of one algorithm of the env `env_id`: its id and options, and, given the whole `config`,
     whether it fits the run (its loss and the actor, `Algorithm.check_config`). Without `config` (a config
-    whose schema failed: `trace_rl.loading`) only the id and the options are checked."""
+    whose schema failed: `trace_rl.runs.loading`) only the id and the options are checked."""
     try:
         cls = resolve_algorithm_class(algo.id)
     except AlgorithmError as exc:

@@ -23,9 +23,9 @@ from trace_rl.config import SamplingConfig
 from trace_rl.data.trace import Message, Trace
 from trace_rl.errors import RetryableError
 from trace_rl.imports import module_is_missing, not_on_path
-from trace_rl.models import Generation, ModelRuntime
+from trace_rl.models.render import Conversation, Renderer
+from trace_rl.models.runtime import Generation, ModelRuntime
 from trace_rl.options import option_problems
-from trace_rl.render import Conversation, Renderer
 
 
 def derive_seed(*parts: int | str) -> int:

@@ -38,7 +38,7 @@ def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
 
 
 def check_envs(config) -> list[str]:
-    """Config-time check of every `[[env]]` and `[[eval.envs]]` (run by `trace_rl.loading.check_config`): a known
+    """Config-time check of every `[[env]]` and `[[eval.envs]]` (run by `trace_rl.runs.loading.check_config`): a known
     id, valid `args` and whatever else the env checks (`Environment.check`)."""
     where = [(f"env.{i}", env) for i, env in enumerate(config.env)]
     if config.eval is not None:
@@ -51,7 +51,7 @@ def check_envs(config) -> list[str]:
 
 def check_env(where: str, env_id: str, args: Mapping[str, Any]) -> list[str]:
     """The problems of one env entry: a known id and valid `args` (also run on the entries of a config whose
-    schema failed, `trace_rl.loading`)."""
+    schema failed, `trace_rl.runs.loading`)."""
     try:
         cls = resolve_env_class(env_id)
         cls.check(validate_args(cls, dict(args)))

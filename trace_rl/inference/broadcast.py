@@ -16,9 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trace_rl.models import ModelRuntime
+from trace_rl.models.runtime import ModelRuntime
+from trace_rl.models.tiny import cache_dir
 from trace_rl.storage import RunStorage, step_name
-from trace_rl.tiny import cache_dir
 
 
 class BroadcastError(RuntimeError):

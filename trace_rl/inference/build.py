@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from trace_rl.models import Generation, ModelRuntime, RuntimeConfig
+from trace_rl.models.runtime import Generation, ModelRuntime, RuntimeConfig
 
 
 class TokenlessRuntime:

@@ -20,12 +20,12 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from trace_rl.hub import resolve_model_path
 from trace_rl.inference.batcher import RequestBatcher
 from trace_rl.inference.hf_decode import Request, decode_batch
 from trace_rl.inference.weights import check_weights, safetensors_files
-from trace_rl.lora import ADAPTER_WEIGHTS, check_adapter, is_adapter_dir
-from trace_rl.models import Generation, RuntimeConfig, load_tokenizer, stop_token_ids
+from trace_rl.models.hub import resolve_model_path
+from trace_rl.models.lora import ADAPTER_WEIGHTS, check_adapter, is_adapter_dir
+from trace_rl.models.runtime import Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,7 +50,7 @@ class HFRuntime:
         if config.lora is not None:
             from peft import get_peft_model
 
-            from trace_rl.lora import peft_config
+            from trace_rl.models.lora import peft_config
 
             # the adapter's layers go into the model in place; until an adapter is loaded they are switched off
             self.peft = get_peft_model(self.model, peft_config(config.lora))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trace_rl.models import Generation
+from trace_rl.models.runtime import Generation
 
 
 @dataclass

@@ -44,9 +44,9 @@ from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_logging import quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
-from trace_rl.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
-from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
-from trace_rl.hub import resolve_model_path
+from trace_rl.models.hub import resolve_model_path
+from trace_rl.models.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
+from trace_rl.models.runtime import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 
 LIVENESS_INTERVAL_S = 0.5
 EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")

@@ -28,9 +28,9 @@ import numpy as np
 from trace_rl.inference.vllm_engine import check_full_distribution_scoring, prompt_logprobs_at
 from trace_rl.inference.vllm_worker import RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
-from trace_rl.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
-from trace_rl.models import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
-from trace_rl.hub import resolve_model_path
+from trace_rl.models.hub import resolve_model_path
+from trace_rl.models.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
+from trace_rl.models.runtime import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 
 
 class ServerError(RuntimeError):

@@ -25,9 +25,9 @@ from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.config import EnvConfig, RemoteConfig
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Trace, group_traces
-from trace_rl.models import RuntimeConfig
+from trace_rl.data.validate import DimensionError, validate_channels
+from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.remote.wire import PROTOCOL_VERSION, ErrorReply, RunReply, RunRequest, WireTrace
-from trace_rl.validate import DimensionError, validate_channels
 
 log = logging.getLogger("trace_rl.remote")
 

@@ -31,12 +31,18 @@ from pydantic import ValidationError
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.algorithms.registry import REGISTRY
 from trace_rl.algorithms.runner import load_algorithms, run_algorithms
-from trace_rl.inference.build import build_runtime
-from trace_rl.models import ModelRuntime, RuntimeConfig
-from trace_rl.remote.wire import (
-    PROTOCOL_VERSION, AlgorithmResult, ErrorReply, Health, RunReply, RunRequest, WireChannel,
-)
 from trace_rl.data.trace import TraceError
+from trace_rl.inference.build import build_runtime
+from trace_rl.models.runtime import ModelRuntime, RuntimeConfig
+from trace_rl.remote.wire import (
+    PROTOCOL_VERSION,
+    AlgorithmResult,
+    ErrorReply,
+    Health,
+    RunReply,
+    RunRequest,
+    WireChannel,
+)
 
 log = logging.getLogger("trace_rl.env_server")
 

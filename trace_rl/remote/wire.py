@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Message, Trace
-from trace_rl.models import RuntimeConfig
+from trace_rl.models.runtime import RuntimeConfig
 
 PROTOCOL_VERSION = 1
 

@@ -23,7 +23,7 @@ from trace_rl.trainer.resume import check_resumes_at
 def restore_trainer(config: Config, storage: RunStorage):
     """A `Trainer` built in this process with the latest checkpoint restored: (trainer, the checkpoint's step or
     None)."""
-    from trace_rl.models import TORCH_STATE_LOCK
+    from trace_rl.models.runtime import TORCH_STATE_LOCK
     from trace_rl.trainer.trainer import Trainer
 
     with TORCH_STATE_LOCK:

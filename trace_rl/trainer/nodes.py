@@ -39,10 +39,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from trace_rl import processes
 from trace_rl.config import Config, config_hash, parse_config
 from trace_rl.credentials import REVEAL
 from trace_rl.errors import RefusedError
+from trace_rl.machine import processes
 from trace_rl.storage import RunStorage, first_unfinished_step
 
 POLL_S = 0.02  # a local directory (one node) or a run on a local or shared file system

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from trace_rl.config import Config, LossConfig
 from trace_rl.data.sample import TrainingSample
-from trace_rl.hub import resolve_model_path
+from trace_rl.models.hub import resolve_model_path
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer import checkpoint
@@ -267,7 +267,7 @@ class Trainer:
         if config.model.lora is not None:
             from peft import get_peft_model
 
-            from trace_rl.lora import peft_config
+            from trace_rl.models.lora import peft_config
 
             # peft injects the LoRA layers into the transformers model in place and freezes the rest; the trainer
             # keeps calling that model itself (its decoder and output layer, as without LoRA)
@@ -521,7 +521,7 @@ class Trainer:
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        from trace_rl.lora import ADAPTER_WEIGHTS
+        from trace_rl.models.lora import ADAPTER_WEIGHTS
 
         adapter = get_peft_model_state_dict(self.peft)
         directory = self.storage.path(checkpoint.WEIGHTS, step_name(step))

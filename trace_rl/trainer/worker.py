@@ -20,18 +20,18 @@ import argparse
 import io
 import os
 import socket
-import traceback
 import time
+import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trace_rl import processes
 from trace_rl.config import Config
+from trace_rl.machine import processes
 from trace_rl.storage import RunStorage
-from trace_rl.trainer.nodes import Channel, worker_channel
 from trace_rl.trainer.lifecycle import restore_trainer, train_in_process
+from trace_rl.trainer.nodes import Channel, worker_channel
 from trace_rl.trainer.trainer import resolve_device
 
 

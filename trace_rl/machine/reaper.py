@@ -1,0 +1,105 @@
+"""The processes a trace-rl process starts die with it, however it ends (SIGKILL included).
+
+A process that dies by SIGKILL runs no cleanup, so its vLLM engine (EngineCore and its model
+worker, ~2.4 GB on CPU) would stay alive with nobody to talk to. `start()` therefore launches a
+small watcher, `python -m trace_rl.machine.reaper <pid>`, with a pipe from this process on its stdin.
+Four times a second the watcher records the processes below this one; when the pipe reaches EOF
+(this process is gone, however it ended) or its parent changes (a child forked from this process
+may hold the pipe open), it SIGKILLs every recorded process that still runs, with whatever those
+started since, and exits. After a normal exit there is usually nothing left to kill (the CLI
+stops its vLLM engines first); whatever still runs is killed as after a crash.
+
+Two kinds of process are not recorded:
+- processes in another session: the embedded Prefect server is started with its own session
+  (`start_new_session=True`) because it outlives the run and serves the next ones;
+- multiprocessing's resource tracker: it exits by itself once the processes it tracks are gone,
+  after unlinking the shared memory they leaked (killing it would leave that in /dev/shm).
+
+Standard library only, so the watcher starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+
+from trace_rl.machine.processes import children, command, descendants, is_alive, name, stat
+
+POLL_S = 0.25
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+
+_reaper: subprocess.Popen | None = None
+_lock = threading.Lock()
+
+
+def start() -> None:
+    """Start this process's reaper (once per process; later calls do nothing)."""
+    global _reaper
+    with _lock:
+        if _reaper is None or _reaper.poll() is not None:
+            _reaper = subprocess.Popen([sys.executable, "-m", "trace_rl.machine.reaper", str(os.getpid())],
+                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+
+# -- the watcher, in its own process ---------------------------------------------------------
+def watched(parent: int, session: int, recorded: dict[int, int]) -> None:
+    """Add the processes below `parent` in `session` (but not the resource tracker or this one) to `recorded`
+    (pid -> start time)."""
+    queue = [parent]
+    while queue:
+        for child in children(queue.pop()):
+            found = stat(child)
+            if found is None or found.sid != session or child == os.getpid():
+                continue  # gone, or started in a session of its own (with everything below it)
+            if RESOURCE_TRACKER not in command(child):
+                recorded[child] = found.start
+            queue.append(child)
+
+
+def kill(recorded: dict[int, int], session: int) -> list[str]:
+    """SIGKILL the recorded processes that still run and everything below them; returns what was killed."""
+    targets = {pid for pid, start in recorded.items() if is_alive(pid, start)}
+    for pid in list(targets):  # what they started since the last look
+        targets |= {child for child in descendants(pid)
+                    if (found := stat(child)) and found.sid == session and RESOURCE_TRACKER not in command(child)}
+    killed = []
+    for pid in sorted(targets):
+        label = f"{name(pid)} (pid {pid})"
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(label)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def watch(parent: int) -> None:
+    """Record `parent`'s processes until it is gone, then kill what of them still runs."""
+    session = os.getsid(0)
+    recorded: dict[int, int] = {}
+    while True:
+        ready, _, _ = select.select([0], [], [], POLL_S)
+        if ready and not os.read(0, 64):  # EOF: the parent is gone (it never writes)
+            break
+        if os.getppid() != parent:
+            break
+        watched(parent, session, recorded)
+    killed = kill(recorded, session)
+    if killed:
+        print(f"trace-rl: the process {parent} is gone; killed the processes it started: {', '.join(killed)}",
+              file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    # Ctrl-C and a closed terminal signal the whole process group: the reaper outlives them to clean up
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    watch(int(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Offline replay: saved traces through new algorithms, into new batches under another URL.
+
+The source run is only read. Each replayed step writes `steps/<step>/channels/*.parquet`,
+`steps/<step>/aggregated.parquet` and `steps/<step>/batch.parquet` under `--out`; with `--train`, a model trains on the
+replayed batches there (checkpoints and weights under `--out` too).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trace_rl.algorithms.base import AlgorithmConfig, validate_options
+from trace_rl.algorithms.lookup import resolve_algorithm_class
+from trace_rl.config import Config, ConfigError, apply_override
+from trace_rl.data.sample import TrainingSample
+from trace_rl.errors import RefusedError
+from trace_rl.names import LOSS_NAMES, POLICY
+from trace_rl.pipeline.channels import channel_stats
+from trace_rl.pipeline.schedule import sampling_weights
+from trace_rl.pipeline.session import Session
+from trace_rl.pipeline.step import (
+    AlgorithmJob,
+    aggregate_channels,
+    algorithm_jobs,
+    channels_path,
+    compute_channels,
+    run_sync,
+    validate_dimensions,
+    write_batch,
+)
+from trace_rl.runs.loading import validate_config
+from trace_rl.storage import RunStorage, check_wipe, overlap
+from trace_rl.tables import read_batch, read_traces, write_channels
+
+
+def parse_algorithms(text: str) -> list[AlgorithmConfig]:
+    """`'["opd", {id="echo", user={alpha=0.5}}]'` (a TOML array) into algorithm configs."""
+    try:
+        value = tomllib.loads(f"algorithms = {text}")["algorithms"]
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"--algorithms: not a TOML array ({exc}); e.g. '[\"grpo\", {{id=\"echo\"}}]'"]) from None
+    if not isinstance(value, list) or not value:
+        raise ConfigError(["--algorithms: give a non-empty array, e.g. '[\"grpo\"]'"])
+    return [AlgorithmConfig.parse(v) for v in value]
+
+
+@dataclass
+class ReplayPlan:
+    source: Config  # the source run's config
+    config: Config  # the source config with the replayed algorithms
+    source_storage: RunStorage
+    out: RunStorage
+    steps: list[int]
+
+
+def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
+                 overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+                 overrides: list[str] = ()) -> ReplayPlan:
+    """Everything a replay needs, checked before it writes anything: the source run and its saved steps,
+    the algorithms (ConfigError), and an `--out` that neither is, holds nor lies inside the source run and,
+    without `--overwrite`, is empty (RefusedError: its batches and checkpoints would mix with the new ones);
+    with `--overwrite`, one that `check_wipe` lets be wiped. `overrides` (`--set KEY=VALUE`) change the source
+    run's config, e.g. to add the `[models.reference]` an `opd` replay scores with."""
+    source = source_config(run, storage_options, overrides)
+    config = replay_config(source, algorithms)
+    source_storage = RunStorage.from_url(run, storage_options)
+    out_storage = RunStorage.from_url(out, storage_options)
+    relation = overlap(out_storage, source_storage)
+    if relation is not None:
+        itself = " itself" if relation == "is" else ""
+        raise RefusedError(f"--out {out_storage.url} {relation} the source run {source_storage.url}{itself}; replay "
+                           "never writes over the original run: choose an --out outside it")
+    if not overwrite and out_storage.exists(out_storage.root) and out_storage.fs.ls(out_storage.root, detail=False):
+        raise RefusedError(f"--out {out_storage.url} is not empty; choose a new directory or pass --overwrite "
+                           "to wipe it")
+    if overwrite:
+        check_wipe(out_storage, "--overwrite")
+    chosen = parse_steps(steps, saved_steps(source_storage))
+    check_policy_weights(config, source_storage, chosen)
+    return ReplayPlan(source, config, source_storage, out_storage, chosen)
+
+
+def check_policy_weights(config: Config, source: RunStorage, steps: list[int]) -> None:
+    """An algorithm that scores with the policy (opsd, opd with `model = "policy"`) needs, at each replayed step,
+    the weights that step sampled with; every other algorithm replays without any weights or engine. Refused
+    before anything starts when `[ckpt]` pruned some of them."""
+    lag = config.async_.max_off_policy_steps
+    kept = set(source.stable_steps("weights"))
+    has_weights = [s for s in saved_steps(source) if sampling_weights(s, lag) == 0 or sampling_weights(s, lag) in kept]
+    for job in algorithm_jobs(config):
+        cls = resolve_algorithm_class(job.config.id)
+        if job.server is not None or POLICY not in cls.models_used(validate_options(cls, job.config)):
+            continue
+        missing = sorted({sampling_weights(s, lag) for s in steps} - kept - {0})
+        if missing:
+            within = f"--steps within {step_ranges(has_weights)}" if has_weights else "another run"
+            raise RefusedError(
+                f"--algorithms: {job.config.id!r} scores with the policy's weights each step sampled with, but "
+                f"the weights of {steps_phrase(missing)} were pruned ([ckpt] keep = {config.ckpt.keep}, "
+                f"keep_weights_every = {config.ckpt.keep_weights_every}); the run has the weights of "
+                f"{steps_phrase(sorted(kept))}: replay {within}, or keep every step's weights in new runs with "
+                "[ckpt] keep_weights_every = 1")
+
+
+def steps_phrase(steps: list[int]) -> str:
+    return "no step" if not steps else f"step {steps[0]}" if len(steps) == 1 else f"steps {step_ranges(steps)}"
+
+
+def step_ranges(steps: list[int]) -> str:
+    """`[1, 2, 3, 5]` as `1:3, 5` (the form --steps takes)."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}:{b}" if a != b else str(a) for a, b in spans)
+
+
+def check_train_start(source: Config, source_storage: RunStorage, train: bool, from_step: int | None,
+                      model: str | None) -> None:
+    """`--from-step` and `--model` only with `--train`. `--from-step K` trains on from the run's `weights/<K>/`,
+    which must still be there and be full weights: a LoRA run's are an adapter, so it is refused with the way to
+    get a model from them."""
+    if not train and (from_step is not None or model is not None):
+        flag = "--from-step" if from_step is not None else "--model"
+        raise RefusedError(f"{flag} says which model --train starts from, but --train is not given; add --train "
+                           f"or drop {flag}")
+    if from_step is None:
+        return
+    if source.model.lora is not None:
+        raise RefusedError(
+            f"--from-step {from_step}: the run trains LoRA adapters, so its weights of step {from_step} are an "
+            f"adapter, not a model to start from; export them merged (trace-rl export RUN --step {from_step} "
+            "--merged DIR) and pass --model DIR")
+    kept = source_storage.stable_steps("weights")
+    if from_step != 0 and from_step not in kept:
+        raise RefusedError(f"--from-step {from_step}: the run has no weights of step {from_step} (pruned by "
+                           f"[ckpt], or never written); it has the weights of {steps_phrase(kept)}: pick one of "
+                           "them, or --model NAME")
+
+
+def prepare_out(out: RunStorage) -> None:
+    """Wipe `--out` (checked by `check_replay`; only `--overwrite` lets a non-empty one through)."""
+    if out.exists(out.root):
+        out.remove(out.root)
+
+
+def parse_steps(text: str | None, available: list[int]) -> list[int]:
+    """`3:7` means steps 3 through 7 (inclusive); `5` one step; None every saved step."""
+    if text is None:
+        return available
+    first, _, last = text.partition(":")
+    try:
+        lo = int(first) if first else min(available, default=1)
+        hi = int(last) if last else (lo if ":" not in text else max(available, default=lo))
+    except ValueError:
+        raise ConfigError([f"--steps {text!r}: use FIRST:LAST (inclusive), e.g. --steps 3:7"]) from None
+    wanted = [s for s in available if lo <= s <= hi]
+    missing = sorted(set(range(lo, hi + 1)) - set(available))
+    if missing:
+        raise ConfigError([f"--steps {text}: the run has no saved traces for steps {missing}"])
+    return wanted
+
+
+def source_config(run_url: str, storage_options: dict[str, Any] | None = None, overrides: list[str] = (),
+                  flag: str = "--run") -> Config:
+    """The config a run was started with, pointed at where the run is now, with `--set` overrides applied."""
+    storage = RunStorage.from_url(run_url, storage_options)
+    path = storage.path("config.toml")
+    if not storage.exists(path):
+        raise ConfigError([f"{flag} {run_url}: no config.toml there; is it a trace-rl run directory?"])
+    local = tomllib.loads(storage.read_bytes(path).decode())
+    for assignment in overrides:
+        apply_override(local, assignment)
+    local["storage"], local["name"] = run_url.rstrip("/").rpartition("/")[::2]
+    local["storage"] = local["storage"] or "."
+    if storage_options:
+        local["storage_options"] = storage_options
+    return validate_config(local)
+
+
+def replay_config(config: Config, algorithms: list[AlgorithmConfig]) -> Config:
+    """The source config with `algorithms` as the list of every env."""
+    data = config.model_dump(mode="json")
+    data["storage_options"] = config.storage_options  # the JSON form leaves credentials out
+    data["algorithms"] = [a.model_dump() for a in algorithms]
+    for env in data["env"]:
+        env["algorithms"] = None
+    return validate_config(data)
+
+
+def saved_steps(storage: RunStorage) -> list[int]:
+    base = storage.path("steps")
+    if not storage.exists(base):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(base, detail=False)]
+    return sorted(int(n) for n in names if n.isdigit() and storage.exists(storage.step_path(int(n), "traces.parquet")))
+
+
+def batch_stats(samples: list[TrainingSample]) -> dict[str, float]:
+    out: dict[str, float] = {"samples": float(len(samples))}
+    for loss in LOSS_NAMES:
+        values = np.concatenate([getattr(s, f"{loss}_values")[getattr(s, f"{loss}_mask")] for s in samples] or [[]])
+        out[f"{loss}_tokens"] = float(values.size)
+        out[f"{loss}_mean"] = float(values.mean()) if values.size else 0.0
+    return out
+
+
+def replay_step(session: Session, out: RunStorage, step: int, jobs: list[AlgorithmJob],
+                states: dict[str, dict]) -> dict:
+    """Replay one step through the pipeline's own validate, aggregate and write stages, into `out`; `states` carries
+    stateful algorithms' state from step to step (updated in place)."""
+    traces = read_traces(session.storage, step)
+    paths = []
+    stats: dict[str, float] = {}
+    for job in jobs:
+        channels, states[job.key] = run_sync(compute_channels(session, step, job, traces, states.get(job.key, {})))
+        paths.append(write_channels(out, channels_path(out, step, job, "parquet"), channels))
+        stats.update(channel_stats(channels))
+    validate_dimensions(session, step, paths, out)
+    write_batch(session, step, aggregate_channels(session, step, paths, out)["aggregated"], out)
+    original_path = session.storage.step_path(step, "batch.parquet")
+    original = batch_stats(read_batch(session.storage, step)) if session.storage.exists(original_path) else {}
+    return {"step": step, "channels": stats, "replayed": batch_stats(read_batch(out, step)), "original": original}
+
+
+def initial_states(session: Session, first_step: int, jobs: list[AlgorithmJob]) -> dict[str, dict]:
+    """Stateful algorithms start from the source run's checkpoint before `first_step` when it is still kept."""
+    from trace_rl.pipeline.step import previous_algorithm_state
+
+    if first_step - 1 not in session.storage.stable_steps("checkpoints") and first_step > 1:
+        return {}
+    return {job.key: previous_algorithm_state(session, first_step, job) for job in jobs}
+
+
+def train_config(config: Config, out: RunStorage, model: str) -> Config:
+    """A config that trains `model` with the source run's trainer settings, stored under `--out`."""
+    data = config.model_dump(mode="json")
+    data["storage"], data["name"] = out.storage, out.name
+    data["storage_options"] = out.storage_options
+    if model != data["model"]["name"]:
+        data["model"]["revision"] = None  # the source run's revision was of its own model, not of `model`
+    data["model"]["name"] = model
+    return validate_config(data)
