@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.faults.conftest import STEPS, model_bytes, write_config
-from tests.flows.test_crash_resume import finish, output, start
+from tests.flows.test_crash_resume import finish, output, start, train_here
 from tests.remote.conftest import env_server
 from trace_rl.storage import RunStorage
 
@@ -35,7 +35,7 @@ def test_env_server_killed_mid_call_then_back(prefect_api, tmp_path):
     marker.write_text("")  # the uninterrupted run's server answers at once
     straight, straight_storage = remote_run(tmp_path, "env-straight", port, marker)
     with env_server(port=port):
-        finish(start(straight))
+        train_here(straight)
     marker.unlink()
 
     config, storage = remote_run(tmp_path, "env-killed", port, marker)

@@ -44,6 +44,15 @@ def finish(process: subprocess.Popen) -> None:
     assert process.returncode == 0, output(process)[-3000:]
 
 
+def train_here(config: Path) -> None:
+    """The uninterrupted run a killed one is compared with, trained in this process: the same flow as
+    `trace-rl train CONFIG` without a process of its own to start."""
+    from flows.train import run_training
+    from trace_rl.runs.loading import load_config
+
+    run_training(load_config(config))
+
+
 def kill_when(process: subprocess.Popen, ready, timeout: float = 300) -> None:
     """SIGKILL the process (and its children) as soon as `ready()` holds."""
     deadline = time.monotonic() + timeout
@@ -62,7 +71,7 @@ def weights(tmp_path: Path, name: str) -> bytes:
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path):
-    finish(start(write_config(tmp_path, "straight")))
+    train_here(write_config(tmp_path, "straight"))
     expected = weights(tmp_path, "straight")
 
     config = write_config(tmp_path, "killed")
@@ -90,7 +99,7 @@ def test_async_run_killed_while_sampling_ahead_and_while_training_resumes_bitwis
     """k = 1: step 3 is sampled while step 2 trains; kills land in that sampling, in step 2's checkpoint write, and
     after step 3's traces are saved but before they are trained on (the resumed run reuses them)."""
     one_ahead = {"async": {"max_off_policy_steps": 1}}
-    finish(start(write_config(tmp_path, "async-straight", **one_ahead)))
+    train_here(write_config(tmp_path, "async-straight", **one_ahead))
     expected = weights(tmp_path, "async-straight")
 
     config = write_config(tmp_path, "async-killed", **one_ahead)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, output, start, weights
+from tests.flows.test_crash_resume import finish, output, start, train_here, weights
 from trace_rl.storage import RunStorage
 
 STEPS = 3
@@ -109,8 +109,8 @@ def kill_engine_when(process: subprocess.Popen, ready, what: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefect_api, tmp_path):
-    finish(start(write_config(tmp_path, "straight")))
+def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefect_api, tmp_path, shared_vllm):
+    train_here(write_config(tmp_path, "straight"))  # on the session's engine of the same settings: none to start
     expected = weights(tmp_path, "straight")
 
     config = write_config(tmp_path, "engine-killed")  # a name no other test's flow runs have on the server

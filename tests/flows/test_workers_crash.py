@@ -12,7 +12,7 @@ import pytest
 import tomli_w
 
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import STEPS, finish, output, start, weights
+from tests.flows.test_crash_resume import STEPS, finish, output, start, train_here, weights
 from trace_rl.machine.processes import command, descendants, is_alive, stat
 from trace_rl.storage import RunStorage
 
@@ -29,7 +29,7 @@ def write_config(tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.slow
 def test_killed_run_takes_its_workers_with_it_and_resumes_bitwise(prefect_api, tmp_path):
-    finish(start(write_config(tmp_path, "straight")))
+    train_here(write_config(tmp_path, "straight"))
     expected = weights(tmp_path, "straight")
 
     config = write_config(tmp_path, "killed")
