@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -80,19 +81,42 @@ def prefect_api(tmp_path_factory):
 
 
 def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
-    """A real OpenAI-compatible vLLM server on 127.0.0.1:`port` with trace-rl's weight-reload extension, in its
-    own process group (killpg stops its engine too); returns once it listens."""
+    """A real OpenAI-compatible vLLM server on 127.0.0.1:`port` with trace-rl's weight-reload extension and LoRA
+    adapters of rank <= LORA_RANK loadable at run time, in its own process group (killpg stops its engine too);
+    returns once it listens."""
     from trace_rl.inference.vllm_worker import EXTENSION
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
          "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-         "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+         "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION,
+         "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1"],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     wait_for_port(port, 300, proc)
     return proc
+
+
+class VLLMServer:
+    """The session's vLLM server process on the tiny model (`url`); a test that kills it `restart()`s it on the
+    same address, and one that loads other weights into it loads the tiny model's own back."""
+
+    def __init__(self, model_path: str, log_path):
+        self.model_path, self.log_path, self.port = model_path, log_path, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = self.restart()
+
+    def restart(self) -> subprocess.Popen:
+        with open(self.log_path, "ab") as log:
+            self.process = start_vllm_server(self.model_path, self.port, log)
+        return self.process
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(60)
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +124,14 @@ def tiny_model_path() -> str:
     from trace_rl.models.tiny import build_tiny
 
     return str(build_tiny(0))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_path, tmp_path_factory):
+    """The session's one vLLM server process (`VLLMServer`), for every test that samples from a server."""
+    server = VLLMServer(tiny_model_path, tmp_path_factory.mktemp("vllm-server") / "server.log")
+    yield server
+    server.stop()
 
 
 # The session's vLLM engine. Its step budget equals max_model_len, the least vLLM on CPU allows, so a

@@ -4,16 +4,13 @@ that match a transformers + peft recomputation; the base model stays reachable w
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import LORA_RANK, free_port, wait_for_port
+from tests.conftest import LORA_RANK
 from tests.inference.conftest import LORA_STEPS, peft_logprobs, trainer_logprobs
 from trace_rl.config import LoraConfig
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
@@ -126,32 +123,11 @@ def test_a_reference_that_is_the_policys_base_is_served_by_the_policy_without_ad
     assert LazyRuntimes(config(None)).configs["reference"].base_of is None
 
 
-@pytest.fixture(scope="module")
-def lora_server_url(tiny_model_path, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("lora-server") / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path,
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-         "--kv-cache-memory-bytes", str(2**27), "--enable-lora", "--max-lora-rank", str(LORA_RANK),
-         "--max-loras", "1"],
-        env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_port(port, 300, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_server_serves_each_steps_adapter(lora_server_url, lora_run, tiny_model_path, prompt_ids):
-    runtime = build_runtime(lora_config(tiny_model_path, "vllm", base_urls=[lora_server_url]))
+def test_vllm_server_serves_each_steps_adapter(vllm_server, lora_run, tiny_model_path, prompt_ids):
+    runtime = build_runtime(lora_config(tiny_model_path, "vllm", base_urls=[vllm_server.url]))
     check_serves_each_step(runtime, lora_run, tiny_model_path, prompt_ids)
-    served = [m["id"] for m in httpx.get(f"{lora_server_url}/v1/models").json()["data"]]
+    served = [m["id"] for m in httpx.get(f"{vllm_server.url}/v1/models").json()["data"]]
     # the base model and the last step's adapter; the earlier ones were unloaded
     assert len(served) == 2 and runtime.adapter in served and runtime.adapter.startswith(f"policy-step-{LORA_STEPS}-")

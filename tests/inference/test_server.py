@@ -7,7 +7,6 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.conftest import free_port, start_vllm_server
 from tests.inference.conftest import UPDATED_STEP, trainer_logprobs
 from tests.inference.test_samplers import assert_stop_strings_cut_turns
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
@@ -20,22 +19,10 @@ TOLERANCE = 2e-4
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_model_path, tmp_path_factory):
-    port = free_port()
-    with open(tmp_path_factory.mktemp("server") / "server.log", "wb") as log:
-        proc = start_vllm_server(tiny_model_path, port, log)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def server_runtime(server_url, tiny_model_path):
+def server_runtime(vllm_server, tiny_model_path):
     # the same server twice: round-robin over two endpoints
     return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm",
-                                       base_urls=[server_url, f"{server_url}/v1"]))
+                                       base_urls=[vllm_server.url, f"{vllm_server.url}/v1"]))
 
 
 def test_server_generates_reproducibly_with_trainer_logprobs(server_runtime, prompt_ids, tiny_model_path):
