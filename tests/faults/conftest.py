@@ -17,7 +17,7 @@ import pytest
 import tomli_w
 
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, start
+from tests.flows.test_crash_resume import train_here
 
 STEPS = 3
 
@@ -39,7 +39,7 @@ def uninterrupted(prefect_api, tmp_path_factory) -> bytes:
     from trace_rl.storage import RunStorage
 
     directory = tmp_path_factory.mktemp("uninterrupted")
-    finish(start(write_config(directory, "uninterrupted", str(directory / "runs"))))
+    train_here(write_config(directory, "uninterrupted", str(directory / "runs")))
     return model_bytes(RunStorage(str(directory / "runs"), "uninterrupted"))
 
 
