@@ -117,8 +117,13 @@ def test_wandb_offline_run_and_resume_with_the_same_id(tmp_path, monkeypatch):
         trackers.log_metrics({"reward_mean": 0.5}, step=2)
     runs = sorted(glob.glob(f"{tmp_path}/wandb/offline-run-*"))
     assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)  # the resumed run has the same id
-    # the offline record files (protobuf records, synced later by `wandb sync`) hold the history and the config
-    first, second = (Path(r, f"run-{run_id}.wandb").read_bytes() for r in runs)
+    # the offline record files (protobuf records, synced later by `wandb sync`) hold the history and the config;
+    # wandb's service process writes them: under load a file was seen holding only its header as `finish` returned
+    records = [Path(r, f"run-{run_id}.wandb") for r in runs]
+    deadline = time.monotonic() + 30
+    while not all(b"reward_mean" in path.read_bytes() for path in records) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first, second = (path.read_bytes() for path in records)
     assert b"reward_mean" in first and b"0.25" in first and b"micro_batch_tokens" in first
     assert b"reward_mean" in second and b"0.5" in second and b"micro_batch_tokens" not in second
 
