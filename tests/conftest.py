@@ -156,9 +156,10 @@ def vllm_runtime(tiny_model_path):
     shutdown_engines()
 
 
-# The session's LoRA-enabled engine (runs with [model.lora] of rank <= 8 on the tiny model reuse it): enabling LoRA
-# on the shared engine would change the engine every other test samples with, so LoRA gets its own.
-LORA_RANK = 8
+# The session's LoRA-enabled engine: enabling LoRA on the shared engine would change the engine every other test
+# samples with, so LoRA gets its own. It serves adapters up to configs/lora.toml's rank, so that config's test and
+# every run whose [model.lora] rank is 9 to 16 on the tiny model reuse it (vLLM's next rank below 16 is 8).
+LORA_RANK = 16
 
 
 @pytest.fixture(scope="session")

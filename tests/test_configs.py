@@ -29,8 +29,11 @@ def test_the_demo_is_grpo_on_reverse_text():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, shared_vllm):
-    """Two small steps of each config on the session's vLLM engine: sampling, algorithms, batch, train, broadcast."""
+def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, shared_vllm, request):
+    """Two small steps of each config on the session's vLLM engine (a LoRA config on the session's LoRA engine):
+    sampling, algorithms, batch, train, broadcast."""
+    import asyncio
+
     from trace_rl.pipeline.session import Session
     from trace_rl.pipeline.step import run_step
     from trace_rl.tables import read_batch
@@ -41,12 +44,19 @@ def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, share
         config = load_config(path, [*overrides, "model.name=tiny", "model.dtype=float32"])
     for env in config.env:
         env.batch_size, env.group_size = 2, 2
+    lora_engine = request.getfixturevalue("vllm_lora_runtime") if config.model.lora is not None else None
     session = Session(config)
-    for step in (1, 2):
-        result = run_step(session, step)
-        assert result["batch"]["samples"] > 0
-        assert session.storage.is_stable(session.storage.path("weights", f"{step:06d}"))
-    assert session.runtimes[config.actor].config.backend == "vllm"
+    try:
+        for step in (1, 2):
+            result = run_step(session, step)
+            assert result["batch"]["samples"] > 0
+            assert session.storage.is_stable(session.storage.path("weights", f"{step:06d}"))
+        assert session.runtimes[config.actor].config.backend == "vllm"
+        if lora_engine is not None:
+            assert session.runtimes[config.actor].worker is lora_engine.worker  # no engine of its own started
+    finally:
+        if lora_engine is not None:  # the run's adapter out of it again, as the engine's other tests expect
+            asyncio.run(session.runtimes[config.actor].load_weights(lora_engine.config.name, 0))
     batch = read_batch(session.storage, 2)
     losses = {algo.id: load_algorithm_loss(algo.id) for algo in config.algorithms}
     for loss in set(losses.values()):

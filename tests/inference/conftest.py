@@ -91,11 +91,12 @@ def runtime(request):
 
 
 LORA_STEPS = 3
+ADAPTER_RANK = 8  # below the session LoRA engine's LORA_RANK: an engine serves any adapter up to its rank
 
 
 @pytest.fixture(scope="session")
 def lora_run(tiny_model_path, tmp_path_factory) -> RunStorage:
-    """A LoRA run of the tiny model (rank 8, all projections) with adapters `weights/000001..3/` from real
+    """A LoRA run of the tiny model (rank ADAPTER_RANK, all projections) with adapters `weights/000001..3/` from real
     trainer steps on synthetic batches."""
     from tests.trainer.conftest import make_batch
     from trace_rl.config import Config
@@ -104,7 +105,7 @@ def lora_run(tiny_model_path, tmp_path_factory) -> RunStorage:
     from trace_rl.trainer.trainer import Trainer
 
     config = Config(name="lora", storage=str(tmp_path_factory.mktemp("lora-runs")), env=[{"id": "synthetic"}],
-                    model={"name": tiny_model_path, "lora": {"rank": 8}},
+                    model={"name": tiny_model_path, "lora": {"rank": ADAPTER_RANK}},
                     trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"},
                     ckpt={"keep": LORA_STEPS})  # every step's adapter stays: the tests load each of them
     storage = RunStorage(config.storage, config.name)

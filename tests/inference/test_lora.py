@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import LORA_RANK
-from tests.inference.conftest import LORA_STEPS, peft_logprobs, trainer_logprobs
+from tests.inference.conftest import ADAPTER_RANK, LORA_STEPS, peft_logprobs, trainer_logprobs
 from trace_rl.config import LoraConfig
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
 from trace_rl.inference.build import BaseModelView, build_runtime
@@ -51,7 +51,7 @@ def check_serves_each_step(runtime, storage, base_dir: str, prompt_ids: list[int
 
 
 def lora_config(base_dir: str, backend: str, **fields) -> RuntimeConfig:
-    return RuntimeConfig(key="policy", name=base_dir, backend=backend, lora=LoraConfig(rank=LORA_RANK), **fields)
+    return RuntimeConfig(key="policy", name=base_dir, backend=backend, lora=LoraConfig(rank=ADAPTER_RANK), **fields)
 
 
 @pytest.mark.vllm
@@ -86,7 +86,7 @@ def test_an_adapter_above_the_engines_rank_is_refused_before_it_reaches_vllm(vll
     config_path = Path(target) / "adapter_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "r": 64}))
     storage.mark_stable(target)
-    with pytest.raises(BroadcastError, match=r"rank 64, above the 8 the sampler serves"):
+    with pytest.raises(BroadcastError, match=rf"rank 64, above the {LORA_RANK} the sampler serves"):
         asyncio.run(broadcast_weights(vllm_lora_runtime, storage, 1))
     tokens = prompt_ids + [70]
     np.testing.assert_allclose(asyncio.run(vllm_lora_runtime.score(tokens)),
