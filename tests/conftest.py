@@ -106,12 +106,11 @@ class VLLMServer:
     def __init__(self, model_path: str, log_path):
         self.model_path, self.log_path, self.port = model_path, log_path, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = self.restart()
+        self.restart()
 
-    def restart(self) -> subprocess.Popen:
+    def restart(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = start_vllm_server(self.model_path, self.port, log)
-        return self.process
 
     def stop(self) -> None:
         if self.process.poll() is None:
