@@ -32,6 +32,7 @@ def test_a_process_vllm_starts_freezes_its_heap_at_exit_and_the_main_process_doe
 
     main = tmp_path / "main"
     script = f"from tests.inference.test_vllm_worker import record_freeze_count_at_exit as r; r({str(main)!r})"
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            check=False)
     assert result.returncode == 0, result.stderr
     assert main.read_text() == "0"
