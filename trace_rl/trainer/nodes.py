@@ -238,6 +238,7 @@ def heartbeat_interval(config: Config) -> float:
 
 # -- sessions ---------------------------------------------------------------------------------------
 def check_shared(storage: RunStorage) -> None:
+    """A RefusedError for a storage the other nodes cannot reach."""
     if storage.protocol == "memory":
         raise RefusedError("trainer.nnodes > 1 needs a storage every node reaches (a shared path or s3://), "
                            "not memory://")
