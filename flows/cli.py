@@ -124,8 +124,10 @@ def cmd_trainer_node(args) -> int:
 
     config = load_config(args.config, args.overrides)
     check_node(config, args.node_rank)  # refused in one line before anything starts
+    if args.wait_s is not None and args.wait_s < 0:
+        raise RefusedError(f"--wait-s {args.wait_s:g}: must be 0 or more (seconds to wait for node 0's session)")
     reaper.start()
-    serve_node(config, args.node_rank, say=lambda line: print(line, file=sys.stderr))
+    serve_node(config, args.node_rank, args.wait_s, say=lambda line: print(line, file=sys.stderr))
     return 0
 
 
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "node 0 runs `train`, docs/scaling.md)")
     _add_config_args(node)
     node.add_argument("--node-rank", type=int, required=True, help="this machine's node rank, 1 .. trainer.nnodes - 1")
+    node.add_argument("--wait-s", type=float, help="how long to wait for the run to appear and for node 0 to start "
+                      "its session, and again after each session (default: the rendezvous timeout, "
+                      "trainer.join_timeout_s + 60)")
     _add_verbose(node)
     node.set_defaults(func=cmd_trainer_node)
 

@@ -64,9 +64,9 @@ def kill_when(process: subprocess.Popen, ready, timeout: float = 300) -> None:
     process.wait()
 
 
-def weights(tmp_path: Path, name: str) -> bytes:
+def weights(tmp_path: Path, name: str, step: int = STEPS) -> bytes:
     storage = RunStorage(str(tmp_path / "runs"), name)
-    return (Path(storage.path("weights", f"{STEPS:06d}")) / "model.safetensors").read_bytes()
+    return (Path(storage.path("weights", f"{step:06d}")) / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow

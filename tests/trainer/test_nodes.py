@@ -20,7 +20,7 @@ from tests.conftest import free_port
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.config import Config, config_to_toml
 from trace_rl.tables import write_batch
-from trace_rl.trainer.nodes import NodeSession
+from trace_rl.trainer.nodes import Channel, Heartbeat, NodeSession, heartbeat_interval
 from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.resume import TrainerError
 from trace_rl.trainer.workers import TrainerWorkers
@@ -114,7 +114,7 @@ def test_two_nodes_train_like_one_process_and_resume_bitwise_after_node_one_dies
         thread.start()
         while workers.channel.read("command-1.json") is None:  # step 2 was sent
             time.sleep(0.01)
-        kill_node_one(workers, node)
+        kill_node_one(workers.channel, node)
         killed = time.monotonic()
         thread.join(180)
         assert not thread.is_alive()
@@ -140,10 +140,10 @@ def capture(failures: list, function, *args) -> None:
         failures.append(exc)
 
 
-def kill_node_one(workers: TrainerWorkers, node: subprocess.Popen) -> None:
-    """What a lost machine looks like: node 1's trainer-node, its torchrun and its rank (in a session of its own)
-    all SIGKILLed at once."""
-    ranks = [workers.channel.read_json(name) for name in workers.channel.names("ready-")]
+def kill_node_one(channel: Channel, node: subprocess.Popen) -> None:
+    """What a lost machine looks like: node 1's trainer-node, its torchrun and its rank (in a session of its own,
+    found in the session's `channel`) all SIGKILLed at once."""
+    ranks = [channel.read_json(name) for name in channel.names("ready-")]
     os.killpg(node.pid, signal.SIGKILL)
     for ready in ranks:
         if ready["node"] == 1:
@@ -165,27 +165,62 @@ def test_a_node_that_never_joins_fails_the_first_step_naming_it(make_config, tmp
     assert NodeSession.current(store)["ended"]
 
 
-def test_trainer_node_refuses_a_missing_run_and_another_config_in_one_line(make_config, tmp_path, capsys):
+def node_main(capsys, path: Path, *flags: str) -> tuple[int, str, float]:
+    """`trace-rl trainer-node PATH --node-rank 1 FLAGS` in this process: its exit code, its error line (after the
+    node's progress lines) and how long it took."""
     from flows.cli import main
 
-    config = make_config("nodes", nnodes=2, rdzv_endpoint="127.0.0.1:29555")
+    start = time.monotonic()
+    code = main(["trainer-node", str(path), "--node-rank", "1", *flags])
+    *progress, err = capsys.readouterr().err.strip().splitlines()
+    assert all(line.startswith("node 1: waiting up to") for line in progress), progress
+    return code, err, time.monotonic() - start
+
+
+def test_trainer_node_waits_for_a_live_session_of_its_config_and_refuses_another_in_one_line(make_config, tmp_path,
+                                                                                           capsys):
+    """What node 1 decides before it starts any worker, by what nodes/session.json holds: it waits (here briefly)
+    for the run, past ended sessions and sessions node 0 left behind when it died, for one of its own config; a
+    live session of another config is refused as soon as node 0's heartbeat in it moves."""
+    config = make_config("nodes", nnodes=2, rdzv_endpoint="127.0.0.1:29555", node_timeout_s=1.0)
     config = Config.model_validate({**config.model_dump(), "env": ENV})
     path = tmp_path / "nodes.toml"
     path.write_text(config_to_toml(config))
-    assert main(["trainer-node", str(path), "--node-rank", "1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "no run at" in err and "config.toml" in err, err
-
     store = storage_for(config)
+    other = ("--set", "trainer.lr=0.5")
+
+    code, err, took = node_main(capsys, path, "--wait-s", "0.5")
+    assert code == 2 and "waited 0.5 s for node 0 to start a session" in err and "no config.toml" in err, err
+    assert 0.5 <= took < 5
+
     store.write_atomic(store.path("config.toml"), config_to_toml(config).encode())
-    assert main(["trainer-node", str(path), "--node-rank", "1", "--set", "trainer.lr=0.5"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "differs from the run's" in err and "config hash" in err, err
+    left_behind = NodeSession.create(store, config)  # node 0 died in it: one heartbeat, never ended
+    Heartbeat(left_behind.channel, 0, 60).start().stop()
+    left_behind.publish()
+    code, err, took = node_main(capsys, path, *other, "--wait-s", "1")
+    assert code == 2 and f"its session {left_behind.id} has config hash" in err and "left by an earlier" in err, err
+    assert took >= 1
 
-    assert main(["trainer-node", str(path), "--node-rank", "2"]) == 2
-    assert "must be 1 to 1" in capsys.readouterr().err
+    live = NodeSession.create(store, config)
+    heartbeat = Heartbeat(live.channel, 0, heartbeat_interval(config)).start()
+    live.publish()
+    try:
+        code, err, took = node_main(capsys, path, *other, "--wait-s", "60")
+        assert code == 2 and "node 0 runs a session" in err and "with another config (config hash" in err, err
+        assert took < 10
+    finally:
+        heartbeat.stop()
+    live.end()
+    code, err, _ = node_main(capsys, path, "--wait-s", "1")
+    assert code == 2 and f"its last session {live.id} has ended" in err, err
 
+    assert node_main(capsys, path, "--wait-s", "-1")[:2] == (2, "error: --wait-s -1: must be 0 or more (seconds to "
+                                                                 "wait for node 0's session)")
+    code, err, _ = node_main(capsys, path, "--node-rank", "2")
+    assert code == 2 and "must be 1 to 1" in err
     data = {**config.model_dump(mode="json", exclude_none=True), "trainer": {"nnodes": 2}}
     path.write_text(tomli_w.dumps(data))
+    from flows.cli import main
+
     assert main(["trainer-node", str(path), "--node-rank", "1"]) == 2
     assert "rdzv_endpoint" in capsys.readouterr().err

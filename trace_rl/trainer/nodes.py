@@ -17,6 +17,10 @@ another machine reads exactly what was written or nothing:
     <run>/nodes/<id>/exit-<K>.json        node K's torchrun exit code
 
 A session is one start of the workers (the first step, and again after a failure or a resume).
+A trainer-node may start before node 0 (launchers start every node at once): it waits, polling
+`nodes/session.json` every WAIT_POLL_S, for a live session of its own config hash, and it decides
+against that session alone, never against the run's `config.toml`, which a `train --resume` with
+a changed config (a fresh rendezvous port) is about to rewrite.
 A node is gone when its heartbeat has not changed for `trainer.node_timeout_s` seconds of the
 watcher's own clock (no clocks are compared across machines). With one node the same files live
 in a private local directory and there is no session, heartbeat or rendezvous.
@@ -34,12 +38,11 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from trace_rl.config import Config, config_hash, parse_config
+from trace_rl.config import Config, config_hash
 from trace_rl.credentials import REVEAL
 from trace_rl.errors import RefusedError
 from trace_rl.machine import processes
@@ -49,6 +52,8 @@ POLL_S = 0.02  # a local directory (one node) or a run on a local or shared file
 REMOTE_POLL_S = 0.25  # object storage: every poll is a request
 END_GRACE_S = 10.0  # a node's workers may finish the stop command this long after node 0 ended the session
 STOP_TIMEOUT_S = 30.0  # then torchrun gets this long to stop them before everything is SIGKILLed
+WAIT_POLL_S = 1.0  # a trainer-node waiting for node 0's session reads nodes/session.json this often
+RENDEZVOUS_GRACE_S = 60.0  # torchrun's rendezvous outlasts node 0's own join check (trainer.join_timeout_s) by this
 NODES = "nodes"
 SESSION = "session.json"
 
@@ -128,13 +133,18 @@ def torchrun_command(config: Config, control: str, config_path: str, node_rank: 
     if trainer.nnodes == 1:
         rendezvous = ["--standalone", "--nnodes", "1"]
     else:
-        conf = f"is_host={int(node_rank == 0)},join_timeout={int(trainer.join_timeout_s) + 60}"  # ours fires first
+        conf = f"is_host={int(node_rank == 0)},join_timeout={int(rendezvous_timeout_s(config))}"  # ours fires first
         rendezvous = ["--nnodes", str(trainer.nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                       "--rdzv-endpoint", trainer.rdzv_endpoint, "--rdzv-id", session, "--rdzv-conf", conf]
     me = processes.stat(os.getpid())
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(trainer.num_processes),
             "-m", "trace_rl.trainer.worker", "--control", control, "--config", config_path,
             "--parent", f"{os.getpid()}:{me.start}", "--node-rank", str(node_rank)]
+
+
+def rendezvous_timeout_s(config: Config) -> float:
+    """How long torchrun's c10d rendezvous waits for every node (node 0's own join check fires before it)."""
+    return config.trainer.join_timeout_s + RENDEZVOUS_GRACE_S
 
 
 def end_workers(process: subprocess.Popen, ranks: list[tuple[int, int]], timeout: float) -> None:
@@ -190,6 +200,7 @@ class NodeWatch:
     def __init__(self, channel: Channel, nodes: list[int], timeout: float, every: float):
         self.channel, self.nodes, self.timeout, self.every = channel, nodes, timeout, every
         self.seen: dict[int, tuple[int, float]] = {}  # node -> (beat, when this watcher first saw it)
+        self.beating: set[int] = set()  # the nodes whose heartbeat changed while watched: alive, not left over
         self._read_at = -float("inf")
 
     def look(self) -> None:
@@ -204,6 +215,8 @@ class NodeWatch:
             except (OSError, ValueError):  # unreadable this time: as if unchanged
                 continue
             if beat is not None and (node not in self.seen or self.seen[node][0] != beat):
+                if node in self.seen:
+                    self.beating.add(node)
                 self.seen[node] = (beat, now)
 
     def gone(self) -> dict[int, float]:
@@ -224,6 +237,13 @@ def heartbeat_interval(config: Config) -> float:
 
 
 # -- sessions ---------------------------------------------------------------------------------------
+def check_shared(storage: RunStorage) -> None:
+    """A RefusedError for a storage the other nodes cannot reach."""
+    if storage.protocol == "memory":
+        raise RefusedError("trainer.nnodes > 1 needs a storage every node reaches (a shared path or s3://), "
+                           "not memory://")
+
+
 class NodeSession:
     """One start of a multi-node run's workers: `nodes/session.json` names it, `nodes/<id>/` is its channel."""
 
@@ -235,9 +255,7 @@ class NodeSession:
     @classmethod
     def create(cls, storage: RunStorage, config: Config) -> NodeSession:
         """Node 0's new session (published by `publish`); earlier sessions' files are removed."""
-        if storage.protocol == "memory":
-            raise RefusedError("trainer.nnodes > 1 needs a storage every node reaches (a shared path or s3://), "
-                               "not memory://")
+        check_shared(storage)
         for name in Channel.in_storage(storage, NODES).names(""):
             if name != SESSION:
                 storage.remove(storage.path(NODES, name))
@@ -296,7 +314,8 @@ class NodeSession:
 # -- the other nodes: `trace-rl trainer-node` ------------------------------------------------------------
 def check_node(config: Config, node_rank: int) -> RunStorage:
     """The run's storage if node `node_rank` may serve it; else a RefusedError in one line: a single-node config,
-    a node rank out of range, no such run, or a config that differs from the run's (compared by config hash)."""
+    a node rank out of range or a storage only this machine sees. The run itself may not exist yet (`next_session`
+    waits for it)."""
     nnodes = config.trainer.nnodes
     if nnodes == 1:
         raise RefusedError("trainer.nnodes = 1: this run has no other trainer nodes; set [trainer] nnodes and "
@@ -305,31 +324,25 @@ def check_node(config: Config, node_rank: int) -> RunStorage:
         raise RefusedError(f"--node-rank {node_rank}: must be 1 to {nnodes - 1} (trainer.nnodes = {nnodes}; node 0 "
                            "is the machine that runs `trace-rl train`)")
     storage = RunStorage.of(config)
-    try:
-        stored = storage.read_bytes(storage.path("config.toml")).decode()
-    except FileNotFoundError:
-        raise RefusedError(f"no run at {storage.url} (no config.toml): start it with `trace-rl train` on node 0 "
-                           "first, with the same config") from None
-    ours, theirs = config_hash(config), config_hash(parse_config(tomllib.loads(stored)))
-    if ours != theirs:
-        raise RefusedError(f"this config differs from the run's at {storage.url} (config hash {ours}, the run's "
-                           f"{theirs}): pass the same CONFIG and --set overrides as `trace-rl train`")
+    check_shared(storage)
     return storage
 
 
-def serve_node(config: Config, node_rank: int, say: Callable[[str], None] = lambda line: None) -> None:
+def serve_node(config: Config, node_rank: int, wait_s: float | None = None,
+               say: Callable[[str], None] = lambda line: None) -> None:
     """Serve node `node_rank` of the run: join each new session with this node's workers, until the run has
-    trained its last step. A session this node already joined (before a restart of this process) is skipped."""
+    trained its last step. Each wait for node 0's next session lasts at most `wait_s` s (default: the rendezvous
+    timeout, `rendezvous_timeout_s`). A session this node already joined (before a restart of this process) is
+    skipped."""
     storage = check_node(config, node_rank)
+    wait_s = rendezvous_timeout_s(config) if wait_s is None else wait_s
     private = tempfile.mkdtemp(prefix="trace-rl-node-")
     config_path = write_private_config(private, config)
     try:
         while True:
-            session = next_session(storage, node_rank)
-            if session.info["config_hash"] != config_hash(config):
-                raise RefusedError(f"the run at {storage.url} was restarted with another config (config hash "
-                                   f"{session.info['config_hash']}, this node's {config_hash(config)}): restart "
-                                   "this node with the same CONFIG and --set overrides as `trace-rl train`")
+            say(f"node {node_rank}: waiting up to {wait_s:g} s for node 0 to start a session of the run at "
+                f"{storage.url} (config hash {config_hash(config)})")
+            session = next_session(storage, config, node_rank, wait_s)
             say(f"node {node_rank}: joining session {session.id} (rendezvous {config.trainer.rdzv_endpoint})")
             code = run_session(session, config, node_rank, config_path)
             say(f"node {node_rank}: session {session.id} ended (torchrun exit {code})")
@@ -340,16 +353,51 @@ def serve_node(config: Config, node_rank: int, say: Callable[[str], None] = lamb
         shutil.rmtree(private, ignore_errors=True)
 
 
-def next_session(storage: RunStorage, node_rank: int) -> NodeSession:
-    """Wait for a session that is not over and that this node has not joined yet."""
+def next_session(storage: RunStorage, config: Config, node_rank: int, wait_s: float) -> NodeSession:
+    """The session this node joins next: one that has not ended, has this config's hash and that this node has
+    not joined yet; waits up to `wait_s` s for it (the run may not exist yet). A session with another config
+    hash is refused (RefusedError) as soon as node 0's heartbeat in it moves: it is live. One whose heartbeat
+    stands still was left by a node 0 that died, and is waited past, as is an ended one. After `wait_s`, a
+    RefusedError names what was waited for."""
     nodes = Channel.in_storage(storage, NODES)
+    ours = config_hash(config)
+    deadline = time.monotonic() + wait_s
+    watches: dict[str, NodeWatch] = {}  # node 0's heartbeat in each session with another config
     while True:
         info = nodes.read_json(SESSION)
         if info is not None and not info.get("ended"):
             session = NodeSession(storage, info)
-            if session.channel.read(f"node-{node_rank}.json") is None:
-                return session
-        time.sleep(max(nodes.poll_s, 0.5))
+            if info["config_hash"] == ours:
+                if session.channel.read(f"node-{node_rank}.json") is None:
+                    return session
+            else:
+                watch = watches.setdefault(session.id, NodeWatch(session.channel, [0], config.trainer.node_timeout_s,
+                                                                  every=0.0))
+                watch.look()
+                if watch.beating:
+                    raise RefusedError(
+                        f"node 0 runs a session of the run at {storage.url} with another config (config hash "
+                        f"{info['config_hash']}, this node's {ours}): start this node with the same CONFIG and --set "
+                        "overrides as `trace-rl train`")
+        if time.monotonic() >= deadline:
+            raise RefusedError(f"waited {wait_s:g} s for node 0 to start a session of the run at {storage.url} with "
+                               f"this node's config (hash {ours}): {not_yet(storage, info, ours)}; start "
+                               "`trace-rl train` on node 0 with the same config, or wait longer (--wait-s)")
+        time.sleep(WAIT_POLL_S)
+
+
+def not_yet(storage: RunStorage, info: dict[str, Any] | None, ours: str) -> str:
+    """What `nodes/session.json` showed last, for a node that waited in vain."""
+    if info is None:
+        if not storage.exists(storage.path("config.toml")):
+            return "there is no run (no config.toml)"
+        return "node 0 has not started a session (no nodes/session.json)"
+    if info.get("ended"):
+        return f"its last session {info['id']} has ended"
+    if info["config_hash"] != ours:
+        return (f"its session {info['id']} has config hash {info['config_hash']} and no heartbeat of node 0: left "
+                "by an earlier start")
+    return f"this node already served its session {info['id']}"
 
 
 def run_session(session: NodeSession, config: Config, node_rank: int, config_path: str) -> int:

@@ -1,0 +1,78 @@
+"""`trace-rl train` and `trace-rl trainer-node` as a user or a launcher starts them on two nodes (loopback, gloo, one
+rank each, the hf sampler): started together; node 1 SIGKILLed in step 2, then restarted with a fresh rendezvous
+port before `train --resume` on node 0, ending bitwise equal to the same run on one node."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from tests.conftest import free_port
+from tests.flows.conftest import small_config
+from tests.flows.test_crash_resume import finish, output, start, train_here, weights
+from tests.trainer.test_nodes import finished, kill_node_one, start_node
+from trace_rl.storage import RunStorage
+from trace_rl.trainer.nodes import NODES, Channel, NodeSession
+from trace_rl.trainer.workers import stop_all
+
+STEPS = 2  # node 1 is killed in the last one
+
+
+def write_config(tmp_path: Path, file: str, name: str, **trainer) -> Path:
+    path = tmp_path / f"{file}.toml"
+    data = small_config(str(tmp_path / "runs"), name, steps=STEPS)
+    data["trainer"].update(parallel="fsdp", **trainer)
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+def two_nodes(tmp_path: Path, file: str) -> Path:
+    """The two-node run's config, with a rendezvous port of its own."""
+    return write_config(tmp_path, file, "nodes", nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                        join_timeout_s=120, node_timeout_s=4)
+
+
+def wait_until(ready, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_nodes_started_together_and_a_node_restarted_before_resume_on_a_new_port_end_bitwise(prefect_api, tmp_path):
+    train_here(write_config(tmp_path, "reference", "reference", num_processes=2))  # world size 2 on one node
+    stop_all()
+    expected = weights(tmp_path, "reference", STEPS)
+    storage = RunStorage(str(tmp_path / "runs"), "nodes")
+
+    first, log = two_nodes(tmp_path, "first"), tmp_path / "node-1.log"
+    node = start_node(first, log)  # and node 0 at once, before the run exists
+    run = start(first)
+
+    def step_2_sent() -> Channel | None:
+        session = NodeSession.current(storage)
+        channel = session and Channel.in_storage(storage, NODES, session["id"])
+        return channel if channel and channel.read("command-1.json") is not None else None
+
+    wait_until(step_2_sent, "step 2's command")
+    kill_node_one(step_2_sent(), node)
+    assert run.wait(120) == 1
+    failure = output(run)[output(run).rindex("\nerror: "):]
+    print(failure)
+    assert "during step 2" in failure and "node 1" in failure, failure
+    assert "joining session" in log.read_text()
+    assert not storage.is_stable(storage.path("weights", "000002"))
+
+    again, log = two_nodes(tmp_path, "new-port"), tmp_path / "node-1-again.log"
+    node = start_node(again, log)  # restarted first: the run's config.toml still holds the old port
+    wait_until(lambda: "waiting up to" in log.read_text(), "node 1's wait")
+    time.sleep(1.5)  # it read the old, ended session
+    assert node.poll() is None, log.read_text()
+    finish(start(again, "--resume"))
+    assert finished(node, log) == 0
+    assert log.read_text().count("joining session") == 1
+    assert weights(tmp_path, "nodes", STEPS) == expected
