@@ -102,7 +102,7 @@ def test_two_nodes_train_like_one_process_and_resume_bitwise_after_node_one_dies
     assert finished(node, tmp_path / "straight.log") == 0  # the run has trained its last step: node 1 is done
     straight = weights(store, STEPS)
     for name in expected:
-        assert (straight[name] - expected[name]).abs().max().item() <= 1e-6, name
+        assert (straight[name] - expected[name]).abs().max().item() <= 1e-5, name  # all-reduce vs one sum: float noise
 
     config, store, path = two_nodes("killed")
     log = tmp_path / "killed.log"
