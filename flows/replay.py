@@ -24,6 +24,7 @@ def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: 
            storage_options: dict | None = None, overwrite: bool = False, overrides: list[str] = (),
            traces: str | None = None) -> list[dict]:
     """Replay the run `run`, or with `traces` (and `run` None) a file of verifiers v1 trace records."""
+    lib.check_source(run, traces)
     if traces is not None:
         plan = lib.check_records_replay(traces, algorithms, out, steps, overwrite, storage_options, overrides)
     else:

@@ -86,6 +86,15 @@ def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: s
     return ReplayPlan(source, config, source_storage, out_storage, chosen)
 
 
+def check_source(run: str | None, traces: str | None) -> None:
+    """A replay reads a run (`--run`) or a records file (`--traces`): exactly one of them."""
+    if run is not None and traces is not None:
+        raise RefusedError("replay: --run and --traces both name traces to replay; give one of them")
+    if run is None and traces is None:
+        raise RefusedError("replay: name the traces to replay: --run RUN (a run's saved traces) or --traces FILE "
+                           "(verifiers trace records)")
+
+
 def check_records_replay(traces: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
                          overwrite: bool = False, storage_options: dict[str, Any] | None = None,
                          overrides: list[str] = ()) -> ReplayPlan:

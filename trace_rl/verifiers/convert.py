@@ -302,9 +302,9 @@ def _spans(trace: Trace, branch: Branch) -> list[tuple[int, slice]]:
     runs = [(int(filled[s]), slice(int(s), int(e))) for s, e in zip(starts, [*starts[1:], n])]
     order = [message for message, _ in runs]
     if order != sorted(set(order)):
-        raise ConversionError(f"trace {trace.id} branch {branch.index}: the tokens of message(s) "
-                              f"{sorted({m for m in order if order.count(m) > 1}) or order} are not in one piece in "
-                              "conversation order; a verifiers node holds one message's tokens")
+        raise ConversionError(f"trace {trace.id} branch {branch.index}: its messages' tokens are not in one piece "
+                              f"each, in conversation order (messages in token order: {order}); a verifiers node "
+                              "holds one message's tokens")
     by_message = dict(runs)
     return [(m, by_message.get(m, slice(0, 0))) for m in range(order[-1] + 1)]
 
