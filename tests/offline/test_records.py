@@ -4,6 +4,7 @@ run's own batches, bit for bit; bad input is refused in one line (exit 2)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -74,6 +75,18 @@ def test_replaying_the_records_through_the_runs_algorithm_writes_the_runs_batche
         assert replayed.num_rows > 0 and replayed.equals(original)
     assert out.stable_steps("weights") == list(STEPS)  # --train trained a model on them
     assert json.loads(open(out.path("replay.json")).read())["source"] == exported
+    printed = table_text(summaries)
+    assert "replayed batches" in printed and "original" not in printed  # records have no original batches
+
+
+def table_text(summaries: list[dict]) -> str:
+    from rich.console import Console
+
+    from flows.replay import comparison_table
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(comparison_table(summaries, ["grpo"]))
+    return console.export_text()
 
 
 def test_bad_input_is_refused_in_one_line(run, exported, tmp_path, capsys):
