@@ -93,9 +93,16 @@ def publish_rollouts(config: Config, step: int, channel_paths: list[str]) -> Non
         return
     storage = RunStorage.of(config)
     channels = [channel for path in channel_paths for channel in read_channels(storage, path)]
-    rows = rollout_rows(config, step, read_traces(storage, step), channels)
+    rows = [{column: as_markdown_text(value) for column, value in row.items()}
+            for row in rollout_rows(config, step, read_traces(storage, step), channels)]
     create_table_artifact(key=artifact_key(config, "rollouts"), table=rows,
                           description=f"{config.name}: {len(rows)} rollouts of step {step} ({options.select})")
+
+
+def as_markdown_text(value):
+    """A string as the text it is in the UI, which renders table cells as Markdown and HTML (a model's `<think>` or
+    `**` would vanish): each ASCII punctuation character backslash-escaped."""
+    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", value) if isinstance(value, str) else value
 
 
 def start_progress(config: Config, done: int) -> str:

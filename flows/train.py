@@ -111,8 +111,7 @@ def say(logger, console: Console, message: str) -> None:
 
 
 def step_line(config: Config, metrics: dict, reused: str) -> str:
-    """`step 2/3: reward 0.039, entropy 5.733, 96 tokens, 1.1 s`, then the stages reused and the rollouts that failed
-    or were retried."""
+    """`step 2/3: reward 0.039, entropy 5.733, 96 tokens, 1.1 s`, then the stages reused, failed traces and retries."""
     line = (f"step {metrics['step']}/{config.steps}: reward {reward_mean(metrics):.3f}, entropy "
             f"{metrics.get('train/entropy', 0.0):.3f}, {metrics.get('batch/tokens', 0):.0f} tokens, "
             f"{metrics['time/step']:.1f} s")
@@ -122,7 +121,7 @@ def step_line(config: Config, metrics: dict, reused: str) -> str:
                       for name in ("errors", "traces"))
     warnings = [f"{errors:.0f} of {traces:.0f} traces failed"] if errors else []
     if metrics.get("rollouts/retries"):
-        warnings.append(f"{metrics['rollouts/retries']:.0f} rollouts retried")
+        warnings.append(f"{metrics['rollouts/retries']:.0f} retries")
     return f"{line}; warning: {', '.join(warnings)}" if warnings else line
 
 

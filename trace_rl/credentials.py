@@ -16,6 +16,9 @@ Instead of a value, an option may say where to read it; such a reference is kept
 With neither, fsspec's own fallbacks apply (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_SESSION_TOKEN, ~/.aws/credentials).
 
+Texts a run shows (the rollout table in the UI) pass through `redact` with the secrets `secrets_in` finds in the
+config's options and `environment_secrets` in the environment.
+
 This module imports nothing of trace_rl but `trace_rl.errors` (the config schema uses it).
 """
 

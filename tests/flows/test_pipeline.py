@@ -104,7 +104,10 @@ def test_the_ui_shows_each_steps_progress_line_and_a_table_of_its_rollouts(prefe
     steps = step_runs(prefect_api, "ordered")
     assert [a.flow_run_id for a in artifacts] == [UUID(run["id"]) for run in steps]
     for step, artifact in enumerate(artifacts, start=1):
-        rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        cells = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        # the UI renders cells as Markdown: their punctuation comes backslash-escaped, so that it shows as written
+        assert all(row["prompt"].startswith("reverse\\: ") for row in cells)
+        rows = [{k: re.sub(r"\\(.)", r"\1", v) if isinstance(v, str) else v for k, v in row.items()} for row in cells]
         traces = read_traces(storage, step)
         channels = read_channels(storage, channels_path(storage, step, grpo, "parquet"))
         assert rows == rollout_rows(finished_run, step, traces, channels)
@@ -115,6 +118,19 @@ def test_the_ui_shows_each_steps_progress_line_and_a_table_of_its_rollouts(prefe
         for row in rows:
             assert row["advantage"] == pytest.approx(row["reward"] - means[row["example"]], abs=2e-4)
             assert row["prompt"].startswith("reverse: ") and isinstance(row["completion"], str)
+
+
+def test_the_progress_line_names_reused_stages_failed_traces_and_retries():
+    from flows.train import step_line
+
+    metrics = {"step": 4, "time/step": 2.25, "train/entropy": 1.5, "batch/tokens": 96, "rollouts/retries": 0.0,
+               "rollouts/a/reward_mean": 0.5, "rollouts/a/traces": 8.0, "rollouts/a/errors": 0.0,
+               "rollouts/b/reward_mean": 0.25, "rollouts/b/traces": 8.0, "rollouts/b/errors": 0.0}
+    config = validate_config(small_config("runs", "line", steps=5))
+    assert step_line(config, metrics, "") == "step 4/5: reward 0.375, entropy 1.500, 96 tokens, 2.2 s"
+    metrics.update({"rollouts/a/errors": 1.0, "rollouts/b/errors": 2.0, "rollouts/retries": 4.0})
+    assert step_line(config, metrics, "train") == ("step 4/5: reward 0.375, entropy 1.500, 96 tokens, 2.2 s (reused "
+                                                   "train); warning: 3 of 16 traces failed, 4 retries")
 
 
 def test_a_new_run_refuses_an_existing_directory(finished_run):
