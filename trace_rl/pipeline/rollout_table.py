@@ -6,10 +6,10 @@
   - random: any `count`, in trace order.
 The random choices are seeded by (run seed, step), so a step shows the same rollouts whenever it runs.
 
-Each row: env, example, the message the model answered (the one before its last turn), that last turn, the
-reward, the advantage (the mean `rl` value over the trace's trained tokens, every `rl` channel summed as the
-trainer sees it; empty when no `rl` channel trained the trace) and the policy step whose weights sampled it.
-Texts longer than `max_chars` are cut in the middle (the end of an answer is where it is scored), and every
+Each row: env, example, the policy step whose weights sampled it, the reward, the advantage (the mean `rl` value
+over the trace's trained tokens, every `rl` channel summed as the trainer sees it; empty when no `rl` channel
+trained the trace), the message the model answered (the one before its last turn) and that last turn.
+Texts longer than `max_chars` are cut in the middle (how an answer starts and how it ends both tell), and every
 secret the run knows of (`known_secrets`) is replaced by `[secret]` before the cut.
 """
 
@@ -28,7 +28,8 @@ from trace_rl.data.trace import Message, Trace, group_traces
 from trace_rl.envs.base import derive_seed
 from trace_rl.pipeline.channels import combine
 
-COLUMNS = ("env", "example", "prompt", "completion", "reward", "advantage", "policy_step")
+# the numbers before the texts: a long completion pushes the columns after it out of the UI's view
+COLUMNS = ("env", "example", "policy_step", "reward", "advantage", "prompt", "completion")
 CUT = " [... {} characters cut ...] "
 
 
@@ -94,10 +95,9 @@ def rl_advantages(traces: list[Trace], channels: list[Channel]) -> dict[str, flo
 
 def row(trace: Trace, advantage: float | None, max_chars: int, secrets: Iterable[str]) -> dict:
     prompt, completion = last_exchange(trace.messages)
-    return {"env": trace.env, "example": trace.example_id,
-            "prompt": shown(prompt, max_chars, secrets), "completion": shown(completion, max_chars, secrets),
+    return {"env": trace.env, "example": trace.example_id, "policy_step": trace.policy_step,
             "reward": round(trace.reward, 4), "advantage": None if advantage is None else round(advantage, 4),
-            "policy_step": trace.policy_step}
+            "prompt": shown(prompt, max_chars, secrets), "completion": shown(completion, max_chars, secrets)}
 
 
 def last_exchange(messages: list[Message]) -> tuple[str, str]:
