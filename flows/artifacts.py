@@ -1,4 +1,5 @@
-"""What a run shows in the Prefect UI: a metrics table, a progress bar and a reward curve per run."""
+"""What a run shows in the Prefect UI: a metrics table, a progress bar and a reward curve per run, and a table of a
+few rollouts per step."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from prefect.artifacts import (
 )
 
 from trace_rl.config import Config
+from trace_rl.pipeline.rollout_table import rollout_rows
 from trace_rl.storage import RunStorage, step_name
+from trace_rl.tables import read_channels, read_traces
 
 TABLE_COLUMNS = ("reward_mean", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
                  "train/loss/ce", "train/mismatch/k3_kl", "train/grad_norm", "async/policy_lag_max",
@@ -80,6 +83,26 @@ def publish(config: Config, rows: list[dict], plot: bool = True) -> None:
                  f"Stored at `{storage.url_of('plots', 'reward.png')}`; last step {step_name(rows[-1]['step'])}.",
         description=f"{config.name}: reward curve",
     )
+
+
+def publish_rollouts(config: Config, step: int, channel_paths: list[str]) -> None:
+    """The step's table of a few rollouts (`[prefect.rollouts]`) under the run's key `<name>-rollouts`: one version per
+    step, each in its step's flow run."""
+    options = config.prefect.rollouts
+    if options.count == 0:
+        return
+    storage = RunStorage.of(config)
+    channels = [channel for path in channel_paths for channel in read_channels(storage, path)]
+    rows = [{column: as_markdown_text(value) for column, value in row.items()}
+            for row in rollout_rows(config, step, read_traces(storage, step), channels)]
+    create_table_artifact(key=artifact_key(config, "rollouts"), table=rows,
+                          description=f"{config.name}: {len(rows)} rollouts of step {step} ({options.select})")
+
+
+def as_markdown_text(value):
+    """A string as the text it is in the UI, which renders table cells as Markdown and HTML (a model's `<think>` or
+    `**` would vanish): each ASCII punctuation character backslash-escaped."""
+    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", value) if isinstance(value, str) else value
 
 
 def start_progress(config: Config, done: int) -> str:

@@ -1,5 +1,8 @@
 """A quiet terminal by default: progress, warnings and errors; `--verbose` shows every log line.
 
+- the lines trace-rl prints itself (the progress line of each step) go to the flow run's log too, marked
+  `extra=PRINTED`: Prefect's console skips them, so the terminal shows each once, also with `--verbose`;
+
 - Prefect's console shows its warnings and errors only (the UI keeps every log line), and not the failure
   reports of task and flow runs (flows/cli.py): the command's last line names the failure;
 - vLLM shows no INFO lines and none of the warnings known to be harmless (inference/vllm_logging.py);
@@ -12,6 +15,7 @@ Settings the user made in the environment win.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -20,6 +24,24 @@ from trace_rl.inference.vllm_logging import VERBOSE_ENV, verbose
 
 # vLLM touches a deprecated torch attribute while it imports, in this process and in each one it spawns
 REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
+PRINTED_FLAG = "trace_rl_printed"
+PRINTED = {PRINTED_FLAG: True}  # a log record's `extra`: trace-rl prints this line on the terminal itself
+
+
+class PrintedLines(logging.Filter):
+    """Drops the records marked PRINTED (for Prefect's console handler)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, PRINTED_FLAG, False)
+
+
+def prefect_console_skips_printed_lines() -> None:
+    """Prefect's console handlers (of this process's logging set-up) leave the lines marked PRINTED to trace-rl."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, PrintedLines) for f in handler.filters):
+            handler.addFilter(PrintedLines())
 
 
 def by_default(verbose_flag: bool) -> None:

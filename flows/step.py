@@ -12,6 +12,7 @@ import time
 from prefect import flow, get_run_logger
 from prefect.cache_policies import NO_CACHE
 
+from flows.artifacts import publish_rollouts
 from tasks.aggregate_channels import aggregate_channels
 from tasks.broadcast_weights import broadcast_weights
 from tasks.caching import stage_options
@@ -65,6 +66,7 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
     stage(validate_dimensions, "validate_dimensions", channel_paths=paths)
     aggregated = stage(aggregate_channels, "aggregate_channels", channel_paths=paths)
     batch = stage(write_batch, "write_batch", aggregated=aggregated["aggregated"])
+    publish_rollouts(config, step, paths)
     ahead = []
     for later in sample_ahead or []:  # one after the other: each loads its own weights into the one sampler
         ahead.append(sample_rollouts.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(

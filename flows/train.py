@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
+from flows import quiet
 from flows.artifacts import aligned, history, publish, reward_mean, start_progress, update_progress
 from flows.eval import eval_table, evaluate_with_progress
 from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_flow_run, without_heartbeat
@@ -35,6 +36,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
     A retry of this flow run (the UI's Retry, `prefect flow-run retry`) resumes, whatever `mode` was.
     """
     logger = get_run_logger()
+    quiet.prefect_console_skips_printed_lines()
     console = Console(stderr=True)
     retrying = (flow_run.get_run_count() or 1) > 1
     finish_checkpoint_writes()  # an earlier flow run's: where this one starts counts them
@@ -78,7 +80,8 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
             publish(config, rows, plot=step % PLOT_EVERY == 0 or step == config.steps)
             update_progress(progress, config, step)
             trackers.log_metrics(step_metrics(metrics, reward_mean(metrics)), step)
-            line = step_line(config, *done[-1])
+            line = step_line(config, metrics, done[-1][-1])
+            logger.info(line, extra=quiet.PRINTED)  # the UI's log of this flow run
             bar.update(task, advance=1, last=line)
             if not console.is_terminal:
                 console.print(line, highlight=False, soft_wrap=True)
@@ -102,14 +105,24 @@ def run_eval_of_step(config: Config, step: int, bar: Progress, console: Console,
 
 
 def say(logger, console: Console, message: str) -> None:
-    """To the flow run's log (the UI) and to the terminal (which shows only Prefect's warnings by default)."""
-    logger.info(message)
+    """To the flow run's log (the UI) and to the terminal, once."""
+    logger.info(message, extra=quiet.PRINTED)
     console.print(message, highlight=False, soft_wrap=True)
 
 
-def step_line(config: Config, step: int, reward: float, entropy: float, seconds: float, reused: str) -> str:
-    line = f"step {step}/{config.steps}: reward {reward:.3f}, entropy {entropy:.3f}, {seconds:.1f} s"
-    return f"{line} (reused {reused})" if reused else line
+def step_line(config: Config, metrics: dict, reused: str) -> str:
+    """`step 2/3: reward 0.039, entropy 5.733, 96 tokens, 1.1 s`, then the stages reused, failed traces and retries."""
+    line = (f"step {metrics['step']}/{config.steps}: reward {reward_mean(metrics):.3f}, entropy "
+            f"{metrics.get('train/entropy', 0.0):.3f}, {metrics.get('batch/tokens', 0):.0f} tokens, "
+            f"{metrics['time/step']:.1f} s")
+    if reused:
+        line += f" (reused {reused})"
+    errors, traces = (sum(v for k, v in metrics.items() if k.startswith("rollouts/") and k.endswith(f"/{name}"))
+                      for name in ("errors", "traces"))
+    warnings = [f"{errors:.0f} of {traces:.0f} traces failed"] if errors else []
+    if metrics.get("rollouts/retries"):
+        warnings.append(f"{metrics['rollouts/retries']:.0f} retries")
+    return f"{line}; warning: {', '.join(warnings)}" if warnings else line
 
 
 def where_things_are(storage: RunStorage, last_step: int, flow_run_url: str) -> str:

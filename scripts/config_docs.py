@@ -22,7 +22,8 @@ SECTIONS = [
     ("[trainer]", c.TrainerConfig), ("[trainer.loss]", c.LossConfig), ("[trainer.loss.correction]", c.CorrectionConfig),
     ("[trainer.loss.kl]", c.KLConfig),
     ("[ckpt]", c.CheckpointConfig),
-    ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig), ("[eval]", c.EvalConfig),
+    ("[remote]", c.RemoteConfig), ("[prefect]", c.PrefectConfig), ("[prefect.rollouts]", c.RolloutTableConfig),
+    ("[eval]", c.EvalConfig),
     ("[logging]", c.LoggingConfig), ("[logging.mlflow]", c.MlflowConfig), ("[logging.wandb]", c.WandbConfig),
     ("[async]", c.AsyncConfig),
 ]

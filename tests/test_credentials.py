@@ -122,3 +122,15 @@ def test_a_run_on_s3_works_with_its_secret_which_stays_out_of_its_files(s3_serve
         source = source_config(storage.url, config.storage_options)
         replayed = replay_config(source, [AlgorithmConfig(id="rl")])
         assert RunStorage.of(replayed).fs.secret == SECRET
+
+
+def test_the_secrets_a_text_must_not_show_are_found_and_redacted(monkeypatch):
+    from trace_rl.credentials import environment_secrets, redact, secrets_in
+
+    monkeypatch.setenv("MY_SECRET", "from-the-environment")
+    options = [s3_config().storage_options, {"api_key": "judge-key", "endpoint": "http://x", "nested": {
+        "password": "env:MY_SECRET", "token": "env:NOT_SET_ANYWHERE"}}, {"model": "tiny", "tokens": True}]
+    assert secrets_in(options) == {ACCESS_KEY, SECRET, SESSION_TOKEN, "judge-key", "from-the-environment"}
+    assert environment_secrets({"HF_TOKEN": "hf_abcdefgh", "USE_KEY": "1", "HOME": "/home/me-and-more"}) == {
+        "hf_abcdefgh"}
+    assert redact(f"a {SECRET} b judge-key", {SECRET, "judge-key", SECRET[:5]}) == "a [secret] b [secret]"

@@ -408,10 +408,22 @@ class RemoteConfig(Strict):
     token_env: str = Field("TRACE_RL_ENV_SERVER_TOKEN", description="environment variable holding the bearer token")
 
 
+class RolloutTableConfig(Strict):
+    """`[prefect.rollouts]`: the rollouts each step shows in the Prefect UI, as a table artifact (docs/pipeline.md)."""
+
+    count: int = Field(8, ge=0, description="rows per step (0: no table)")
+    select: Literal["groups", "best", "worst", "random"] = Field(
+        "groups", description="groups: the first groups in order, from each its best, its worst and one other at "
+        "random; best / worst: the step's highest / lowest rewards; random: any, seeded by the run seed and step")
+    max_chars: int = Field(400, ge=40, description="a longer prompt message or completion is cut in the middle to "
+                           "this many characters, its start and end kept")
+
+
 class PrefectConfig(Strict):
     """`[prefect]`; PREFECT_API_URL in the environment wins over it."""
 
     api_url: str | None = Field(None, description="a Prefect server to use instead of the embedded one")
+    rollouts: RolloutTableConfig = Field(default_factory=RolloutTableConfig, description="[prefect.rollouts]")
 
 
 class EvalConfig(Strict):

@@ -16,13 +16,16 @@ Instead of a value, an option may say where to read it; such a reference is kept
 With neither, fsspec's own fallbacks apply (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_SESSION_TOKEN, ~/.aws/credentials).
 
+Texts a run shows (the rollout table in the UI) pass through `redact` with the secrets `secrets_in` finds in the
+config's options and `environment_secrets` in the environment.
+
 This module imports nothing of trace_rl but `trace_rl.errors` (the config schema uses it).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, PlainSerializer, SecretStr, SerializationInfo
@@ -33,6 +36,9 @@ CREDENTIAL_WORDS = ("secret", "token", "password", "passwd", "credential", "apik
                     "connection_string")
 REFERENCE_PREFIXES = ("env:", "prefect-secret:")
 REVEAL = "reveal_credentials"  # serialization context key: `model_dump_json(context={REVEAL: True})`
+
+REDACTED = "[secret]"
+MIN_SECRET_CHARS = 8  # of an environment variable's value, to be taken for a secret (`environment_secrets`)
 
 _READERS: dict[str, Callable[[str], str]] = {}
 
@@ -107,6 +113,39 @@ def read_reference(reference: str, where: str) -> str:
     except Exception as exc:  # noqa: BLE001  (any failure to read it is the reference's problem)
         raise CredentialError(f"{where} = {reference!r}: cannot read it ({type(exc).__name__}: {exc}); "
                               f"create the Secret block {name!r} or fix the name") from None
+
+
+def secrets_in(data: Any, secret: bool = False) -> set[str]:
+    """The secret values in `data` (e.g. a config's `model_dump()`), at any depth: SecretStr values, strings under a
+    credential key, and what their `env:` and `prefect-secret:` references read where they can be read."""
+    if isinstance(data, SecretStr):
+        return {data.get_secret_value()} - {""}
+    if isinstance(data, dict):
+        return set().union(*(secrets_in(value, secret or is_credential_key(key)) for key, value in data.items()))
+    if isinstance(data, (list, tuple)):
+        return set().union(*(secrets_in(value, secret) for value in data))
+    if not (secret and isinstance(data, str) and data):
+        return set()
+    if not is_reference(data):
+        return {data}
+    try:
+        return {read_reference(data, "")} - {""}
+    except CredentialError:  # nothing it could reveal
+        return set()
+
+
+def environment_secrets(environ: Mapping[str, str] = os.environ) -> set[str]:
+    """The values of environment variables named like a credential (`AWS_SECRET_ACCESS_KEY`, `HF_TOKEN`,
+    `WANDB_API_KEY`, the env server's token) of at least MIN_SECRET_CHARS characters: shorter ones are flags and
+    numbers, which redacting would blank out of every text."""
+    return {value for name, value in environ.items() if is_credential_key(name) and len(value) >= MIN_SECRET_CHARS}
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """`text` with each occurrence of a secret replaced by REDACTED, the longest secrets first."""
+    for value in sorted(secrets, key=len, reverse=True):
+        text = text.replace(value, REDACTED)
+    return text
 
 
 def register_reader(kind: str, reader: Callable[[str], str]) -> None:

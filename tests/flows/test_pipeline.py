@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+from uuid import UUID
+
 import httpx
 import pyarrow.parquet as pq
 import pytest
@@ -60,6 +65,72 @@ def test_a_finished_run_has_its_files_and_metrics(finished_run):
     assert metrics["batch/samples"] == 8  # 2 examples x 4 rollouts, one branch each
     assert {"rollouts/reverse-text/reward_mean", "channel/grpo/tokens", "train/loss/rl", "time/train"} <= set(metrics)
     assert storage.exists(storage.path("plots", "reward.png"))
+
+
+def test_the_ui_shows_each_steps_progress_line_and_a_table_of_its_rollouts(prefect_api, finished_run):
+    """What a user reads in the UI: the `train` flow run's Logs tab, and the `ordered-rollouts` artifact of each step."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName,
+                                                LogFilter, LogFilterFlowRunId)
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.logging.handlers import APILogWorker, PrefectConsoleHandler
+
+    from flows import quiet
+    from trace_rl.pipeline.rollout_table import rollout_rows
+    from trace_rl.pipeline.step import algorithm_jobs, channels_path
+    from trace_rl.tables import read_channels, read_traces
+
+    APILogWorker.drain_all(timeout=10)  # what the process does on exit: its last log lines to the server
+    storage = RunStorage.of(finished_run)
+    (grpo,) = algorithm_jobs(finished_run)
+    with get_client(sync_client=True) as client:
+        (train_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["ordered"])))
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[train_run.id])))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ordered-rollouts"])),
+                                          sort=ArtifactSort.CREATED_DESC)[::-1]
+    lines = [log.message for log in logs if log.message.startswith("step ")]
+    assert len(lines) == 2, [log.message for log in logs]
+    for step, line in enumerate(lines, start=1):
+        metrics = storage.read_json(storage.step_path(step, "metrics.json"))
+        assert re.fullmatch(rf"step {step}/2: reward [0-9.]+, entropy [0-9.]+, {metrics['batch/tokens']} tokens, "
+                            r"[0-9.]+ s", line), line
+    # printed on the terminal by trace-rl itself: Prefect's console handler skips the line
+    record = logging.LogRecord("prefect.flow_runs", logging.INFO, "", 0, lines[0], None, None)
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    assert consoles and all(h.filter(record) for h in consoles)
+    record.__dict__.update(quiet.PRINTED)
+    assert not any(h.filter(record) for h in consoles)
+
+    steps = step_runs(prefect_api, "ordered")
+    assert [a.flow_run_id for a in artifacts] == [UUID(run["id"]) for run in steps]
+    for step, artifact in enumerate(artifacts, start=1):
+        cells = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+        # the UI renders cells as Markdown: their punctuation comes backslash-escaped, so that it shows as written
+        assert all(row["prompt"].startswith("reverse\\: ") for row in cells)
+        rows = [{k: re.sub(r"\\(.)", r"\1", v) if isinstance(v, str) else v for k, v in row.items()} for row in cells]
+        traces = read_traces(storage, step)
+        channels = read_channels(storage, channels_path(storage, step, grpo, "parquet"))
+        assert rows == rollout_rows(finished_run, step, traces, channels)
+        # 2 groups of 4: from each its best, its worst and one other; grpo's advantage r - mean of the group
+        assert len(rows) == 6 and {row["env"] for row in rows} == {"reverse-text"}
+        assert {row["policy_step"] for row in rows} == {step - 1}
+        means = {t.example_id: sum(u.reward for u in traces if u.group_id == t.group_id) / 4 for t in traces}
+        for row in rows:
+            assert row["advantage"] == pytest.approx(row["reward"] - means[row["example"]], abs=2e-4)
+            assert row["prompt"].startswith("reverse: ") and isinstance(row["completion"], str)
+
+
+def test_the_progress_line_names_reused_stages_failed_traces_and_retries():
+    from flows.train import step_line
+
+    metrics = {"step": 4, "time/step": 2.25, "train/entropy": 1.5, "batch/tokens": 96, "rollouts/retries": 0.0,
+               "rollouts/a/reward_mean": 0.5, "rollouts/a/traces": 8.0, "rollouts/a/errors": 0.0,
+               "rollouts/b/reward_mean": 0.25, "rollouts/b/traces": 8.0, "rollouts/b/errors": 0.0}
+    config = validate_config(small_config("runs", "line", steps=5))
+    assert step_line(config, metrics, "") == "step 4/5: reward 0.375, entropy 1.500, 96 tokens, 2.2 s"
+    metrics.update({"rollouts/a/errors": 1.0, "rollouts/b/errors": 2.0, "rollouts/retries": 4.0})
+    assert step_line(config, metrics, "train") == ("step 4/5: reward 0.375, entropy 1.500, 96 tokens, 2.2 s (reused "
+                                                   "train); warning: 3 of 16 traces failed, 4 retries")
 
 
 def test_a_new_run_refuses_an_existing_directory(finished_run):
