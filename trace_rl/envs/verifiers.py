@@ -31,10 +31,11 @@ from trace_rl.envs.registry import register_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models.runtime import Generation
 
-# what a runtime type needs on this machine: an executable on PATH, or an account's key in the environment
+# what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
 RUNTIME_NEEDS = {
-    "docker": ("docker", None), "podman": ("podman", None), "apptainer": ("apptainer", None),
-    "prime": (None, "PRIME_API_KEY"), "e2b": (None, "E2B_API_KEY"), "modal": (None, "MODAL_TOKEN_ID"),
+    "docker": ("docker", "/var/run/docker.sock", None), "podman": ("podman", None, None),
+    "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
+    "e2b": (None, None, "E2B_API_KEY"), "modal": (None, None, "MODAL_TOKEN_ID"),
 }
 
 
@@ -92,11 +93,29 @@ def env_config(args: dict[str, Any]):
         problem = exc.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
         raise EnvError(f"env 'verifiers': args.{where}: {problem['msg']} (verifiers' EnvConfig)") from None
-    except Exception as exc:  # noqa: BLE001 - a taskset or env module that does not import, or refuses
+    except ModuleNotFoundError as exc:
+        raise EnvError(f"env 'verifiers': args.taskset.id = {taskset_id!r}: {first_line(exc)} Put the folder that "
+                       "holds it in the env's import_paths, or pip install it") from None
+    except Exception as exc:  # noqa: BLE001 - a taskset or env module that fails to import, or refuses
         raise EnvError(f"env 'verifiers': args.taskset.id = {taskset_id!r}: {type(exc).__name__}: "
                        f"{first_line(exc)}") from None
     check_runtimes(config, HARNESS_ID)
     return config
+
+
+def runtime_lack(kind: str, own_harness: bool) -> str | None:
+    """What this machine lacks to run a harness in a runtime of type `kind`, or None. The subprocess runtime needs
+    nothing for trace-rl's chat harness, and `uv` for verifiers' own (they install their program with it)."""
+    executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
+    if kind == "subprocess" and own_harness:
+        return None
+    if executable and shutil.which(executable) is None:
+        return f"`{executable}` on PATH"
+    if socket and not (os.path.exists(socket) or os.environ.get("DOCKER_HOST")):
+        return f"a running {kind} daemon ({socket})"
+    if key and not os.environ.get(key):
+        return f"{key} set (an account of that sandbox provider)"
+    return None
 
 
 def check_runtimes(config, own_harness: str) -> None:
@@ -106,15 +125,10 @@ def check_runtimes(config, own_harness: str) -> None:
 
     for name, seat in agent_config_fields(config).items():
         harness = seat.harness.id if seat.harness is not None else vf.default_harness_id(config.taskset.id)
-        kind = seat.runtime.type
-        if kind == "subprocess":
-            need, key = (None if harness == own_harness else "uv"), None
-        else:
-            need, key = RUNTIME_NEEDS.get(kind, (None, None))
-        if (need and shutil.which(need) is None) or (key and not os.environ.get(key)):
-            lacking = f"`{need}` on PATH" if need and shutil.which(need) is None else f"{key} set"
-            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {kind!r} runtime, which "
-                           f"needs {lacking}; this machine lacks it: give the seat another runtime "
+        lacking = runtime_lack(seat.runtime.type, harness == own_harness)
+        if lacking:
+            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {seat.runtime.type!r} "
+                           f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
                            f"(args.{name}.runtime) or leave its harness unset for trace-rl's chat harness")
 
 

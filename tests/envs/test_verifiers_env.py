@@ -1,0 +1,101 @@
+"""The `verifiers` env: verifiers v1 tasksets and envs trained through the run's own sampler, token-exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.flows.conftest import small_config
+from trace_rl.runs.loading import validate_config
+from trace_rl.storage import RunStorage
+from trace_rl.tables import read_traces
+
+pytest.importorskip("verifiers.v1")
+
+TASKSETS = str(Path(__file__).parent / "verifiers_tasksets")
+
+
+def verifiers_run(storage: str, name: str, taskset: str, **overrides) -> dict:
+    return small_config(storage, name, env=[{
+        "id": "verifiers", "batch_size": 2, "group_size": 2, "import_paths": [TASKSETS],
+        "args": {"taskset": {"id": taskset}}}], **overrides)
+
+
+def recomputed_logprobs(model_path: str, token_ids: np.ndarray, temperature: float) -> np.ndarray:
+    """log_softmax(logits / T) of each token given the ones before it, by transformers (token 0: 0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor(token_ids[None], dtype=torch.long)).logits[0, :-1].float() / temperature
+    out = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(token_ids[1:, None], dtype=torch.long))[:, 0]
+    return np.concatenate([[0.0], out.numpy()])
+
+
+def test_a_single_turn_taskset_trains_two_steps(prefect_api, tmp_path):
+    from flows.train import run_training
+
+    config = validate_config(verifiers_run(str(tmp_path), "vf-single", "vf_reverse"))
+    run_training(config)
+    storage = RunStorage(config.storage, config.name)
+    for step in (1, 2):
+        metrics = storage.read_json(storage.step_path(step, "metrics.json"))
+        assert metrics["rollouts/verifiers/traces"] == 4 and metrics["rollouts/verifiers/errors"] == 0
+        assert metrics["train/mismatch/mean_abs_logprob_diff"] <= 1e-4
+        traces = read_traces(storage, step)
+        assert {t.agent for t in traces} == {"agent"} and len({t.group_id for t in traces}) == 2
+        for trace in traces:
+            assert set(trace.rewards) == {"matched"} and trace.reward == trace.rewards["matched"]
+            assert "reply_chars" in trace.metrics
+            (branch,) = trace.branches
+            assert 0 < branch.sampled.sum() <= 8 and branch.sampled[-1]  # one turn, sampled last
+            assert trace.messages[-1].role == "assistant"
+
+
+def test_a_multi_turn_env_splices_the_first_turn_and_matches_recomputed_logprobs(prefect_api, tmp_path,
+                                                                                   tiny_model_path):
+    from flows.train import run_training
+
+    config = validate_config(verifiers_run(str(tmp_path), "vf-multi", "vf_follow_up"))
+    run_training(config)
+    storage = RunStorage(config.storage, config.name)
+    for step in (1, 2):
+        assert storage.read_json(storage.step_path(step, "metrics.json"))["train/mismatch/mean_abs_logprob_diff"] \
+            <= 1e-4
+    traces = read_traces(storage, 1)
+    assert len(traces) == 4
+    for trace in traces:
+        assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant"]
+        assert trace.messages[2].content == "Are you sure? Say it once more."
+        (branch,) = trace.branches  # turn 2 extends turn 1's exact ids: one branch
+        turns = np.flatnonzero(np.diff(np.concatenate([[0], branch.sampled.astype(int)])) == 1)
+        assert len(turns) == 2
+        # the first turn's sampled ids sit unchanged inside the second turn's prompt, followed by the template
+        assert not branch.sampled[turns[1] - 1]
+        expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
+        assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
+
+
+def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
+    from trace_rl.config import ConfigError
+
+    def problem(args: dict, **env) -> str:
+        data = verifiers_run(str(tmp_path), "vf-bad", "vf_reverse")
+        data["env"][0].update(args=args, **env)
+        with pytest.raises(ConfigError) as caught:
+            validate_config(data)
+        (line,) = caught.value.problems
+        assert "\n" not in line
+        return line
+
+    assert "args.taskset.id = 'no_such_tasks'" in problem({"taskset": {"id": "no_such_tasks"}})
+    assert "args.max_concurrent_agents" in problem({"taskset": {"id": "vf_reverse"}, "max_concurrent_agents": 0})
+    assert "verifiers' EnvConfig" in problem({"taskset": {"id": "vf_reverse"}, "max_concurrent_agents": 0})
+    lacking = problem({"taskset": {"id": "vf_reverse"},
+                       "agent": {"harness": {"id": "null"}, "runtime": {"type": "docker"}}})
+    assert "'docker' runtime" in lacking and "this machine lacks it" in lacking
+    assert "import_paths: 'no/such/folder'" in problem({"taskset": {"id": "vf_reverse"}},
+                                                         import_paths=["no/such/folder"])
