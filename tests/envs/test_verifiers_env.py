@@ -15,7 +15,7 @@ from trace_rl.tables import read_traces
 
 pytest.importorskip("verifiers.v1")
 
-TASKSETS = str(Path(__file__).parent / "verifiers_tasksets")
+TASKSETS = str(Path(__file__).resolve().parents[2] / "configs" / "verifiers")  # the shipped tasksets
 
 
 def verifiers_run(storage: str, name: str, taskset: str, **overrides) -> dict:
@@ -35,10 +35,14 @@ def recomputed_logprobs(model_path: str, token_ids: np.ndarray, temperature: flo
     return np.concatenate([[0.0], out.numpy()])
 
 
-def test_a_single_turn_taskset_trains_two_steps(prefect_api, tmp_path):
+def test_a_single_turn_taskset_trains_two_steps_and_evaluates(prefect_api, tmp_path):
+    import pyarrow.parquet as pq
+
     from flows.train import run_training
 
-    config = validate_config(verifiers_run(str(tmp_path), "vf-single", "vf_reverse"))
+    data = verifiers_run(str(tmp_path), "vf-single", "addition_tasks")
+    data["eval"] = {"envs": data["env"], "num_examples": 2, "k": 2}
+    config = validate_config(data)
     run_training(config)
     storage = RunStorage(config.storage, config.name)
     for step in (1, 2):
@@ -48,18 +52,19 @@ def test_a_single_turn_taskset_trains_two_steps(prefect_api, tmp_path):
         traces = read_traces(storage, step)
         assert {t.agent for t in traces} == {"agent"} and len({t.group_id for t in traces}) == 2
         for trace in traces:
-            assert set(trace.rewards) == {"matched"} and trace.reward == trace.rewards["matched"]
-            assert "reply_chars" in trace.metrics
+            assert set(trace.rewards) == {"correct"} and trace.reward == trace.rewards["correct"]
             (branch,) = trace.branches
             assert 0 < branch.sampled.sum() <= 8 and branch.sampled[-1]  # one turn, sampled last
             assert trace.messages[-1].role == "assistant"
+    samples = pq.read_table(storage.path("eval", "step_000002", "samples.parquet")).to_pylist()
+    assert len(samples) == 4 and not any(sample["error"] for sample in samples)
 
 
 def test_a_multi_turn_env_splices_the_first_turn_and_matches_recomputed_logprobs(prefect_api, tmp_path,
                                                                                    tiny_model_path):
     from flows.train import run_training
 
-    config = validate_config(verifiers_run(str(tmp_path), "vf-multi", "vf_follow_up"))
+    config = validate_config(verifiers_run(str(tmp_path), "vf-multi", "follow_up_tasks"))
     run_training(config)
     storage = RunStorage(config.storage, config.name)
     for step in (1, 2):
@@ -69,7 +74,7 @@ def test_a_multi_turn_env_splices_the_first_turn_and_matches_recomputed_logprobs
     assert len(traces) == 4
     for trace in traces:
         assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant"]
-        assert trace.messages[2].content == "Are you sure? Say it once more."
+        assert trace.messages[2].content == "Now add 1 to that."
         (branch,) = trace.branches  # turn 2 extends turn 1's exact ids: one branch
         turns = np.flatnonzero(np.diff(np.concatenate([[0], branch.sampled.astype(int)])) == 1)
         assert len(turns) == 2
@@ -83,7 +88,7 @@ def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
     from trace_rl.config import ConfigError
 
     def problem(args: dict, **env) -> str:
-        data = verifiers_run(str(tmp_path), "vf-bad", "vf_reverse")
+        data = verifiers_run(str(tmp_path), "vf-bad", "addition_tasks")
         data["env"][0].update(args=args, **env)
         with pytest.raises(ConfigError) as caught:
             validate_config(data)
@@ -92,10 +97,10 @@ def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
         return line
 
     assert "args.taskset.id = 'no_such_tasks'" in problem({"taskset": {"id": "no_such_tasks"}})
-    assert "args.max_concurrent_agents" in problem({"taskset": {"id": "vf_reverse"}, "max_concurrent_agents": 0})
-    assert "verifiers' EnvConfig" in problem({"taskset": {"id": "vf_reverse"}, "max_concurrent_agents": 0})
-    lacking = problem({"taskset": {"id": "vf_reverse"},
+    assert "args.max_concurrent_agents" in problem({"taskset": {"id": "addition_tasks"}, "max_concurrent_agents": 0})
+    assert "verifiers' EnvConfig" in problem({"taskset": {"id": "addition_tasks"}, "max_concurrent_agents": 0})
+    lacking = problem({"taskset": {"id": "addition_tasks"},
                        "agent": {"harness": {"id": "null"}, "runtime": {"type": "docker"}}})
     assert "'docker' runtime" in lacking and "this machine lacks it" in lacking
-    assert "import_paths: 'no/such/folder'" in problem({"taskset": {"id": "vf_reverse"}},
+    assert "import_paths: 'no/such/folder'" in problem({"taskset": {"id": "addition_tasks"}},
                                                          import_paths=["no/such/folder"])
