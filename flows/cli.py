@@ -148,11 +148,21 @@ def cmd_eval(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from trace_rl.offline.replay import check_replay, check_train_start, parse_algorithms
+    from trace_rl.offline.replay import check_records_replay, check_replay, check_train_start, parse_algorithms
 
+    if args.run is not None and args.traces is not None:
+        raise RefusedError("replay: --run and --traces both name traces to replay; give one of them")
+    if args.run is None and args.traces is None:
+        raise RefusedError("replay: name the traces to replay: --run RUN (a run's saved traces) or --traces FILE "
+                           "(verifiers trace records)")
     algorithms = parse_algorithms(args.algorithms)
-    plan = check_replay(args.run, algorithms, args.out, args.steps, args.overwrite, overrides=args.overrides)
-    check_train_start(plan.source, plan.source_storage, args.train, args.from_step, args.model)
+    if args.traces is not None:
+        plan = check_records_replay(args.traces, algorithms, args.out, args.steps, args.overwrite,
+                                    overrides=args.overrides)
+    else:
+        plan = check_replay(args.run, algorithms, args.out, args.steps, args.overwrite, overrides=args.overrides)
+    check_train_start(plan.source, plan.source_storage, args.train, args.from_step, args.model,
+                      records=args.traces is not None)
     _prefect()
     reaper.start()
     quiet.progress_bars()
@@ -160,7 +170,8 @@ def cmd_replay(args) -> int:
 
     try:
         replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
-               from_step=args.from_step, model=args.model, overwrite=args.overwrite, overrides=args.overrides)
+               from_step=args.from_step, model=args.model, overwrite=args.overwrite, overrides=args.overrides,
+               traces=args.traces)
     finally:
         quiet.stop_engines()
     return 0
@@ -206,6 +217,14 @@ def cmd_export(args) -> int:
 
     for path in export_step(args.run, args.step, merged=args.merged, adapter=args.adapter):
         print(f"wrote {path}")
+    return 0
+
+
+def cmd_export_traces(args) -> int:
+    from trace_rl.offline.export_traces import export_traces
+
+    count, steps = export_traces(args.run, args.out, args.steps, args.overwrite)
+    print(f"wrote {count} verifiers trace records of steps {steps[0]}..{steps[-1]} to {args.out}")
     return 0
 
 
@@ -255,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     replay = sub.add_parser("replay", help="run saved traces through new algorithms into new batches, offline")
-    replay.add_argument("--run", required=True, help="the source run: <storage>/<name>")
+    replay.add_argument("--run", help="the source run: <storage>/<name>")
+    replay.add_argument("--traces", metavar="FILE", help="instead of --run: a file of verifiers v1 trace records "
+                        "(JSON lines of vf.Trace.to_record(), or verifiers' traces.jsonl; *.msgpack: msgpack)")
     replay.add_argument("--algorithms", required=True, help='a TOML array, e.g. \'["opd", {id="echo"}]\'')
     replay.add_argument("--out", required=True, help="where the replayed batches go (never the source run)")
     replay.add_argument("--steps", help="FIRST:LAST, inclusive (default: every saved step)")
@@ -263,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--overwrite", action="store_true", help="wipe a non-empty --out first")
     replay.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a key of the source run's config, e.g. --set models.reference.name=tiny for opd",
+        help="override a key of the source run's config (with --traces: of trace-rl's defaults), e.g. --set "
+             "models.reference.name=tiny for opd",
     )
     start = replay.add_mutually_exclusive_group()
     start.add_argument("--from-step", type=int, help="with --train: start from the run's weights of this step")
@@ -288,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merged", metavar="DIR", help="full HF weights (a LoRA run: base + adapter merged)")
     export.add_argument("--adapter", metavar="DIR", help="the peft adapter of a LoRA run")
     export.set_defaults(func=cmd_export)
+
+    export_traces = sub.add_parser("export-traces", help="write a run's saved traces as verifiers v1 trace records")
+    export_traces.add_argument("run", help="the run: <storage>/<name>")
+    export_traces.add_argument("--steps", help="FIRST:LAST, inclusive (default: every saved step)")
+    export_traces.add_argument("--out", required=True, metavar="FILE",
+                               help="the records file: JSON lines, or msgpack if it ends in .msgpack")
+    export_traces.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    export_traces.set_defaults(func=cmd_export_traces)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])

@@ -1,4 +1,5 @@
-"""`replay`: a run's saved traces through new algorithms, offline, into new batches (and optionally a model)."""
+"""`replay`: a run's saved traces (or a file of verifiers trace records) through new algorithms, offline, into new
+batches (and optionally a model)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,19 @@ from trace_rl.storage import RunStorage, step_name
 
 
 @flow(name="replay", log_prints=True)
-def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None, train: bool = False,
-           from_step: int | None = None, model: str | None = None, storage_options: dict | None = None,
-           overwrite: bool = False, overrides: list[str] = ()) -> list[dict]:
-    plan = lib.check_replay(run, algorithms, out, steps, overwrite, storage_options, overrides)
-    lib.check_train_start(plan.source, plan.source_storage, train, from_step, model)
+def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
+           train: bool = False, from_step: int | None = None, model: str | None = None,
+           storage_options: dict | None = None, overwrite: bool = False, overrides: list[str] = (),
+           traces: str | None = None) -> list[dict]:
+    """Replay the run `run`, or with `traces` (and `run` None) a file of verifiers v1 trace records."""
+    if traces is not None:
+        plan = lib.check_records_replay(traces, algorithms, out, steps, overwrite, storage_options, overrides)
+    else:
+        plan = lib.check_replay(run, algorithms, out, steps, overwrite, storage_options, overrides)
+    lib.check_train_start(plan.source, plan.source_storage, train, from_step, model, records=traces is not None)
     config, out_storage, chosen = plan.config, plan.out, plan.steps
     lib.prepare_out(out_storage)
+    lib.stage_records(plan)
     from trace_rl.pipeline.session import session_for
     from trace_rl.pipeline.step import algorithm_jobs
 
@@ -35,7 +42,8 @@ def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | N
         states = result.pop("states")
         summaries.append(result)
     out_storage.write_json(out_storage.path("replay.json"), {
-        "source": plan.source_storage.url, "algorithms": [a.model_dump() for a in algorithms], "steps": chosen})
+        "source": traces if traces is not None else plan.source_storage.url,
+        "algorithms": [a.model_dump() for a in algorithms], "steps": chosen})
     console = Console(stderr=True)
     ids = [a.id for a in algorithms]
     console.print(comparison_table(summaries, ids))
@@ -49,8 +57,10 @@ def replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | N
             from trace_rl.inference.broadcast import stage_weights
 
             start = stage_weights(plan.source_storage, from_step)
-        trained = train_replayed(config=lib.train_config(config, out_storage, start), steps=chosen)
-        console.print(training_table(trained, source_rewards(plan.source_storage, chosen)))
+        trained = train_replayed(config=lib.train_config(config, out_storage, start, envs=traces is None),
+                                 steps=chosen)
+        rewards = record_rewards(plan.records) if traces is not None else source_rewards(plan.source_storage, chosen)
+        console.print(training_table(trained, rewards))
         rows.append((f"weights of step {chosen[-1]}", out_storage.url_of("weights", step_name(chosen[-1]))))
     rows.append(("this replay in the UI", url_for("flow-run", obj_id=flow_run.get_id())))
     console.print(aligned(rows), highlight=False, soft_wrap=True)
@@ -88,6 +98,11 @@ def source_rewards(source: RunStorage, steps: list[int]) -> dict[int, float]:
     """The mean reward of each replayed step's traces, from the source run's metrics."""
     paths = {step: source.step_path(step, "metrics.json") for step in steps}
     return {step: reward_mean(source.read_json(path)) for step, path in paths.items() if source.exists(path)}
+
+
+def record_rewards(records: dict[int, list]) -> dict[int, float]:
+    """The mean reward of each replayed step's records."""
+    return {step: sum(t.reward for t in traces) / len(traces) for step, traces in records.items() if traces}
 
 
 def training_table(trained: list[dict], rewards: dict[int, float]) -> Table:

@@ -16,7 +16,7 @@ def sample_traces():
     b.advantages, b.mask = np.linspace(-1, 1, 5).astype(np.float32), np.array([0, 0, 0, 1, 1], bool)
     return [
         make_trace("t0", reward=1.0, rewards={"sim": 1.0}, info={"answer": "x", "n": [1, 2]},
-                   branches=[b, make_branch(index=1, n=7)]),
+                   branches=[b, make_branch(index=1, n=7, trainable=False)]),
         make_trace("t1", reward=0.0, error="sampler timeout", branches=[]),
         make_trace("t2", agent="judge", trainable=False, policy_step=3),
     ]
@@ -91,6 +91,17 @@ def test_a_trace_table_with_the_old_policy_version_column_reads_as_policy_step(t
     pq.write_table(table.rename_columns([n.replace("policy_step", "policy_version") for n in table.column_names]),
                    storage.step_path(2, "traces.parquet"))
     assert [t.policy_step for t in read_traces(storage, 2)] == [0, 0, 3]
+
+
+def test_a_trace_table_without_branch_trainable_reads_every_branch_as_trainable(tmp_path):
+    """traces.parquet written before branches had `trainable`: every branch trained then."""
+    from trace_rl.tables import traces_to_table
+
+    storage = RunStorage(str(tmp_path), "run")
+    write_traces(storage, 2, sample_traces())
+    pq.write_table(traces_to_table(sample_traces()).drop_columns(["branch_trainable"]),
+                   storage.step_path(2, "traces.parquet"))
+    assert [[b.trainable for b in t.branches] for t in read_traces(storage, 2)] == [[True, True], [], [True]]
 
 
 def test_layout_uses_six_digit_steps(storage):

@@ -45,6 +45,7 @@ TRACE_SCHEMA = pa.schema(
         ("num_branches", pa.int32()),
         ("branch_index", pa.int32()),
         ("temperature", pa.float64()),
+        ("branch_trainable", pa.bool_()),
         *[(name, pa.list_(_ARROW[dtype])) for name, dtype in TOKEN_ARRAYS.items()],
         *[(name, pa.list_(_ARROW[dtype])) for name, dtype in ANNOTATIONS.items()],
     ]
@@ -100,6 +101,7 @@ def traces_to_table(traces: list[Trace]) -> pa.Table:
                 rows[key].append(value)
             rows["branch_index"].append(None if branch is None else branch.index)
             rows["temperature"].append(None if branch is None else branch.temperature)
+            rows["branch_trainable"].append(None if branch is None else branch.trainable)
             for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
                 rows[name].append(None if branch is None else getattr(branch, name))
     for name, dtype in {**TOKEN_ARRAYS, **ANNOTATIONS}.items():
@@ -145,7 +147,8 @@ def table_to_traces(table: pa.Table) -> list[Trace]:
         if index is None:
             continue
         arrays = {name: _array(columns[name], row, dtype) for name, dtype in {**TOKEN_ARRAYS, **ANNOTATIONS}.items()}
-        branch = Branch(index=index, temperature=columns["temperature"][row].as_py(), **arrays)
+        branch = Branch(index=index, temperature=columns["temperature"][row].as_py(),
+                        trainable=columns["branch_trainable"][row].as_py(), **arrays)
         traces[trace_id].branches.append(branch)
     return list(traces.values())
 
@@ -256,6 +259,8 @@ def read_traces(storage: RunStorage, step: int) -> list[Trace]:
         # the column's name in trace tables written before 2026-11-23
         table = table.rename_columns(["policy_step" if name == "policy_version" else name
                                       for name in table.column_names])
+    if "branch_trainable" not in table.column_names:  # trace tables written before 2026-11-25: every branch trains
+        table = table.append_column("branch_trainable", pa.array([True] * table.num_rows, pa.bool_()))
     return table_to_traces(check_columns(table, TRACE_SCHEMA, storage.url_of_path(path)))
 
 

@@ -4,7 +4,7 @@ import pytest
 from trace_rl.data.trace import Branch, Message, Trace, TraceError, group_traces
 
 
-def make_branch(index=0, n=5, sampled_from=3, temperature=1.0):
+def make_branch(index=0, n=5, sampled_from=3, temperature=1.0, trainable=True):
     sampled = np.arange(n) >= sampled_from
     return Branch(
         token_ids=np.arange(n) + 10,
@@ -14,6 +14,7 @@ def make_branch(index=0, n=5, sampled_from=3, temperature=1.0):
         is_content=np.ones(n, bool),
         index=index,
         temperature=temperature,
+        trainable=trainable,
     )
 
 
@@ -52,9 +53,10 @@ def test_json_round_trip_is_exact_including_annotations():
     branch.advantages = np.array([0, 0, 0, 0.1, -1e-7], np.float32)
     branch.mask = np.array([0, 0, 0, 1, 1], bool)
     trace = make_trace(reward=0.25, rewards={"sim": 0.25}, metrics={"len": 3}, info={"answer": "cba"},
-                       error=None, policy_step=4, branches=[branch, make_branch(index=1)])
+                       error=None, policy_step=4, branches=[branch, make_branch(index=1, trainable=False)])
     again = Trace.from_json(trace.to_json())
     assert again.equals(trace)
+    assert [b.trainable for b in again.branches] == [True, False]
     assert again.branches[0].advantages.dtype == np.float32
     assert again.branches[1].advantages is None
 

@@ -44,6 +44,15 @@ def test_rl_on_an_untrainable_trace_is_rejected_but_ce_is_not():
     validate_channels(traces, [channel("ce")])
 
 
+def test_no_channel_may_mask_an_untrainable_branch():
+    traces = [reward_trace("a", 1.0)]
+    traces[0].branches[0].trainable = False
+    for loss in ("rl", "ce"):
+        with pytest.raises(DimensionError, match=WHERE + r"channel masks tokens of an untrainable branch"):
+            validate_channels(traces, [channel(loss)])
+    validate_channels(traces, [channel("ce", values=np.zeros(8), mask=np.zeros(8))])  # masking nothing is fine
+
+
 def test_mask_and_values_dtypes_are_checked():
     bad = channel()
     bad.mask = bad.mask.astype(np.int8)

@@ -120,3 +120,12 @@ def test_messages_travel_without_their_unset_fields():
                                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "f",
                                                                                      "arguments": {}}]}]
     assert wire == json.loads(trace.to_json())
+
+
+def test_an_untrainable_branch_travels_as_one_and_a_trainable_one_as_before():
+    trace = make_trace("t0", [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}],
+                       [chat_branch([(0, 2, False), (1, 2, True)]), chat_branch([(0, 2, False), (1, 3, True)], index=1)])
+    trace.branches[1].trainable = False
+    [wire] = json.loads(RunRequest(algorithms=[], traces=[WireTrace.of(trace)]).model_dump_json())["traces"]
+    assert ["trainable" in branch for branch in wire["branches"]] == [False, True]
+    assert WireTrace.model_validate(wire).to_trace().equals(trace)

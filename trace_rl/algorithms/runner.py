@@ -3,7 +3,8 @@
 Algorithms are simple mutators of `branch.advantages`/`branch.mask`. The runner clears
 every branch of a group before an algorithm sees it, runs it, turns what it set into
 `Channel`s and clears the annotations again, so nothing depends on annotations
-surviving a copy and no algorithm sees another's output.
+surviving a copy and no algorithm sees another's output. A branch marked untrainable
+(`Branch.trainable`) yields no channel, whatever the algorithm set on it.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ def clear(traces: list[Trace]) -> None:
 
 
 def collect(algorithm: Algorithm, traces: list[Trace]) -> list[Channel]:
-    """One channel per branch the algorithm annotated; setting only one of advantages/mask is an error."""
+    """One channel per trainable branch the algorithm annotated; setting only one of advantages/mask is an error."""
     channels = []
     for trace in traces:
         for branch in trace.branches:
-            if branch.advantages is None and branch.mask is None:
+            if not branch.trainable or (branch.advantages is None and branch.mask is None):
                 continue
             if branch.advantages is None or branch.mask is None:
                 missing = "mask" if branch.mask is None else "advantages"

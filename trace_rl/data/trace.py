@@ -13,6 +13,10 @@ Per-token arrays of a branch (all the same length):
   message_index  int32  index into `Trace.messages`, -1 for scaffold/generation prompts
   is_content     bool   message body (True) vs template scaffold (False)
 
+A branch with `trainable = False` stays in the trace (its tokens are context, e.g. an
+abandoned compaction attempt that verifiers marks so) but is never trained: the algorithm
+runner takes no channel from it and validation refuses one that masks any of its tokens.
+
 Algorithms annotate a branch with `advantages` (float32) and `mask` (bool);
 None means "never assigned", which differs from zeros.
 """
@@ -68,6 +72,7 @@ class Branch:
     is_content: np.ndarray
     index: int = 0
     temperature: float = 1.0
+    trainable: bool = True
     advantages: np.ndarray | None = None
     mask: np.ndarray | None = None
 
@@ -79,6 +84,7 @@ class Branch:
             raise TraceError(f"branch {self.index}: per-token arrays differ in length: {lengths}")
         self.index = int(self.index)
         self.temperature = float(self.temperature)
+        self.trainable = bool(self.trainable)
         if not self.temperature > 0:
             raise TraceError(f"branch {self.index}: temperature must be > 0, got {self.temperature}")
 
@@ -90,7 +96,7 @@ class Branch:
         self.mask = None
 
     def equals(self, other: Branch) -> bool:
-        if (self.index, self.temperature) != (other.index, other.temperature):
+        if (self.index, self.temperature, self.trainable) != (other.index, other.temperature, other.trainable):
             return False
         for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
             a, b = getattr(self, name), getattr(other, name)
@@ -183,6 +189,8 @@ class Trace:
 
 def _branch_to_dict(branch: Branch) -> dict[str, Any]:
     out: dict[str, Any] = {"index": branch.index, "temperature": branch.temperature}
+    if not branch.trainable:  # written only when false: a trainable branch's dict is what it was before the field
+        out["trainable"] = False
     for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
         value = getattr(branch, name)
         out[name] = None if value is None else value.tolist()

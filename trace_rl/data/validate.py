@@ -4,7 +4,8 @@ Rules (each failure names the env, trace id, branch index, algorithm id and what
   - the channel's branch exists; the loss is one the trainer knows (`rl`, `ce`);
   - values (float) and mask (bool) have exactly the branch's token count; values are finite in float32;
   - mask is never true at position 0 (the first token has no logprob: nothing precedes it);
-  - an `rl` channel masks only tokens the actor sampled, of a trainable trace.
+  - an `rl` channel masks only tokens the actor sampled, of a trainable trace;
+  - no channel masks a token of an untrainable branch (`Branch.trainable = False`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def validate_channels(traces: list[Trace], channels: list[Channel], *, source: s
             check_shape(channel, branch, fail)
         if tokens and mask[0]:
             raise fail(channel, "mask is true at token 0, which has no logprob (nothing precedes it)")
+        if not branch.trainable and mask.any():
+            raise fail(channel, "channel masks tokens of an untrainable branch (trainable = false): it is context, "
+                                "never a training sample")
         if channel.loss == "rl" and not trace.trainable and mask.any():
             raise fail(channel, "rl channel masks tokens of an untrainable trace (trainable = false)")
         located.append((channel, trace, branch))

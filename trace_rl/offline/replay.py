@@ -3,6 +3,10 @@
 The source run is only read. Each replayed step writes `steps/<step>/channels/*.parquet`,
 `steps/<step>/aggregated.parquet` and `steps/<step>/batch.parquet` under `--out`; with `--train`, a model trains on the
 replayed batches there (checkpoints and weights under `--out` too).
+
+The source is a run (`--run`) or a file of verifiers v1 trace records (`--traces`, trace_rl.verifiers.records):
+those traces are written to `--out` as each step's `traces.parquet` first, and replay from there. A records replay's
+config is trace-rl's defaults with its `--set` overrides; its `[[env]]` entries only name where the traces came from.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from trace_rl.algorithms.base import AlgorithmConfig, validate_options
 from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.data.sample import TrainingSample
+from trace_rl.data.trace import Trace
 from trace_rl.errors import RefusedError
 from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.pipeline.channels import channel_stats
@@ -34,7 +39,7 @@ from trace_rl.pipeline.step import (
 )
 from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage, check_wipe, overlap
-from trace_rl.tables import read_batch, read_traces, write_channels
+from trace_rl.tables import read_batch, read_traces, write_channels, write_traces
 
 
 def parse_algorithms(text: str) -> list[AlgorithmConfig]:
@@ -50,11 +55,12 @@ def parse_algorithms(text: str) -> list[AlgorithmConfig]:
 
 @dataclass
 class ReplayPlan:
-    source: Config  # the source run's config
+    source: Config  # the source run's config (a records replay: its config)
     config: Config  # the source config with the replayed algorithms
-    source_storage: RunStorage
+    source_storage: RunStorage  # a records replay: `out`, where its traces are staged
     out: RunStorage
     steps: list[int]
+    records: dict[int, list[Trace]] | None = None  # a records replay: the traces of each chosen step
 
 
 def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
@@ -74,14 +80,53 @@ def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: s
         itself = " itself" if relation == "is" else ""
         raise RefusedError(f"--out {out_storage.url} {relation} the source run {source_storage.url}{itself}; replay "
                            "never writes over the original run: choose an --out outside it")
-    if not overwrite and out_storage.exists(out_storage.root) and out_storage.fs.ls(out_storage.root, detail=False):
-        raise RefusedError(f"--out {out_storage.url} is not empty; choose a new directory or pass --overwrite "
-                           "to wipe it")
-    if overwrite:
-        check_wipe(out_storage, "--overwrite")
+    check_out(out_storage, overwrite)
     chosen = parse_steps(steps, saved_steps(source_storage))
     check_policy_weights(config, source_storage, chosen)
     return ReplayPlan(source, config, source_storage, out_storage, chosen)
+
+
+def check_records_replay(traces: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
+                         overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+                         overrides: list[str] = ()) -> ReplayPlan:
+    """`check_replay` for a file of verifiers v1 trace records: the file read whole (RecordsError, one line, for
+    one that is not records or holds records without token ids), `--out` as for a run, and the algorithms, which
+    may not score with the policy: records do not carry the weights they were sampled with."""
+    from trace_rl.verifiers.records import read_records
+
+    out_storage = RunStorage.from_url(out, storage_options)
+    check_out(out_storage, overwrite)
+    recorded = read_records(traces, storage_options)
+    chosen = parse_steps(steps, sorted(recorded), source=f"--traces {traces}")
+    envs = list(dict.fromkeys(trace.env for step in chosen for trace in recorded[step]))
+    data: dict[str, Any] = {"name": out_storage.name, "storage": out_storage.storage,
+                            "storage_options": storage_options or {}, "env": [{"id": env} for env in envs],
+                            "algorithms": [a.model_dump() for a in algorithms]}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    config = validate_config(data, envs=False)
+    for job in algorithm_jobs(config):
+        cls = resolve_algorithm_class(job.config.id)
+        if job.server is None and POLICY in cls.models_used(validate_options(cls, job.config)):
+            raise RefusedError(f"--algorithms: {job.config.id!r} scores with the weights that sampled each step, "
+                               f"which trace records do not carry; replay a run (--run) for it, or score with "
+                               "another model (e.g. opd with model = \"reference\" and --set models.reference.name=...)")
+    return ReplayPlan(config, config, out_storage, out_storage, chosen, {step: recorded[step] for step in chosen})
+
+
+def check_out(out: RunStorage, overwrite: bool) -> None:
+    """Without `--overwrite`, `--out` must be empty (its batches and checkpoints would mix with the new ones);
+    with it, one that `check_wipe` lets be wiped."""
+    if not overwrite and out.exists(out.root) and out.fs.ls(out.root, detail=False):
+        raise RefusedError(f"--out {out.url} is not empty; choose a new directory or pass --overwrite to wipe it")
+    if overwrite:
+        check_wipe(out, "--overwrite")
+
+
+def stage_records(plan: ReplayPlan) -> None:
+    """A records replay's traces as each chosen step's `traces.parquet` under `--out`, where the steps read them."""
+    for step, traces in (plan.records or {}).items():
+        write_traces(plan.out, step, traces)
 
 
 def check_policy_weights(config: Config, source: RunStorage, steps: list[int]) -> None:
@@ -122,16 +167,19 @@ def step_ranges(steps: list[int]) -> str:
 
 
 def check_train_start(source: Config, source_storage: RunStorage, train: bool, from_step: int | None,
-                      model: str | None) -> None:
+                      model: str | None, records: bool = False) -> None:
     """`--from-step` and `--model` only with `--train`. `--from-step K` trains on from the run's `weights/<K>/`,
     which must still be there and be full weights: a LoRA run's are an adapter, so it is refused with the way to
-    get a model from them."""
+    get a model from them. A replay of `records` has no weights: no `--from-step`."""
     if not train and (from_step is not None or model is not None):
         flag = "--from-step" if from_step is not None else "--model"
         raise RefusedError(f"{flag} says which model --train starts from, but --train is not given; add --train "
                            f"or drop {flag}")
     if from_step is None:
         return
+    if records:
+        raise RefusedError(f"--from-step {from_step} starts from a run's weights, but --traces replays records, "
+                           "which carry none; pass --model NAME (the model whose tokenizer made their token ids)")
     if source.model.lora is not None:
         raise RefusedError(
             f"--from-step {from_step}: the run trains LoRA adapters, so its weights of step {from_step} are an "
@@ -150,8 +198,8 @@ def prepare_out(out: RunStorage) -> None:
         out.remove(out.root)
 
 
-def parse_steps(text: str | None, available: list[int]) -> list[int]:
-    """`3:7` means steps 3 through 7 (inclusive); `5` one step; None every saved step."""
+def parse_steps(text: str | None, available: list[int], source: str = "the run") -> list[int]:
+    """`3:7` means steps 3 through 7 (inclusive); `5` one step; None every saved step of `source`."""
     if text is None:
         return available
     first, _, last = text.partition(":")
@@ -163,7 +211,7 @@ def parse_steps(text: str | None, available: list[int]) -> list[int]:
     wanted = [s for s in available if lo <= s <= hi]
     missing = sorted(set(range(lo, hi + 1)) - set(available))
     if missing:
-        raise ConfigError([f"--steps {text}: the run has no saved traces for steps {missing}"])
+        raise ConfigError([f"--steps {text}: {source} has no saved traces for steps {missing}"])
     return wanted
 
 
@@ -225,7 +273,9 @@ def replay_step(session: Session, out: RunStorage, step: int, jobs: list[Algorit
     validate_dimensions(session, step, paths, out)
     write_batch(session, step, aggregate_channels(session, step, paths, out)["aggregated"], out)
     original_path = session.storage.step_path(step, "batch.parquet")
-    original = batch_stats(read_batch(session.storage, step)) if session.storage.exists(original_path) else {}
+    staged = session.storage.url == out.url  # a records replay: no original batch, only the one just written
+    original = batch_stats(read_batch(session.storage, step)) if not staged and session.storage.exists(
+        original_path) else {}
     return {"step": step, "channels": stats, "replayed": batch_stats(read_batch(out, step)), "original": original}
 
 
@@ -238,12 +288,13 @@ def initial_states(session: Session, first_step: int, jobs: list[AlgorithmJob]) 
     return {job.key: previous_algorithm_state(session, first_step, job) for job in jobs}
 
 
-def train_config(config: Config, out: RunStorage, model: str) -> Config:
-    """A config that trains `model` with the source run's trainer settings, stored under `--out`."""
+def train_config(config: Config, out: RunStorage, model: str, envs: bool = True) -> Config:
+    """A config that trains `model` with the source run's trainer settings, stored under `--out` (`envs=False`: a
+    records replay's, whose env ids are not checked)."""
     data = config.model_dump(mode="json")
     data["storage"], data["name"] = out.storage, out.name
     data["storage_options"] = out.storage_options
     if model != data["model"]["name"]:
         data["model"]["revision"] = None  # the source run's revision was of its own model, not of `model`
     data["model"]["name"] = model
-    return validate_config(data)
+    return validate_config(data, envs=envs)

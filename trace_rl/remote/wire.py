@@ -41,10 +41,12 @@ class Health(Wire):
 
 
 class WireBranch(Wire):
-    """One branch: its per-token arrays as lists of one length (see trace_rl.data.trace), annotations null if unset."""
+    """One branch: its per-token arrays as lists of one length (see trace_rl.data.trace), annotations null if unset.
+    `trainable` is sent only when false, so a trainable branch is what every protocol-1 server reads."""
 
     index: int = 0
     temperature: float = 1.0
+    trainable: bool = True
     token_ids: list[Int32]
     sampled: list[bool]
     logprobs: list[float]
@@ -52,6 +54,13 @@ class WireBranch(Wire):
     is_content: list[bool]
     advantages: list[float] | None = None
     mask: list[bool] | None = None
+
+    @model_serializer(mode="wrap")
+    def _trainable_only_when_false(self, handler):
+        data = handler(self)
+        if self.trainable:
+            data.pop("trainable", None)
+        return data
 
 
 class WireTrace(Wire):

@@ -23,11 +23,12 @@ from trace_rl.pipeline.colocation import check_colocation
 from trace_rl.runs.tracking import check_trackers
 
 
-def check_config(config: Config, on_this_machine: bool = False) -> Config:
+def check_config(config: Config, on_this_machine: bool = False, envs: bool = True) -> Config:
     """The config itself if every check passes; else one ConfigError listing each problem with its fix.
     `on_this_machine`: the run starts in this process, so what this machine has counts too (a GPU for
-    `inference.colocate`)."""
-    problems = check_envs(config) + check_algorithms(config) + check_models(config) + check_stop_tokens(config)
+    `inference.colocate`). `envs=False` leaves the env ids unchecked: a replay of trace records names with them
+    where its traces came from, not envs it runs."""
+    problems = (check_envs(config) if envs else []) + check_algorithms(config) + check_models(config) + check_stop_tokens(config)
     problems += check_trackers(config) + check_lora(config)
     if not problems:  # which engines exist depends on valid algorithm options
         problems = check_colocation(config, on_this_machine)
@@ -36,7 +37,7 @@ def check_config(config: Config, on_this_machine: bool = False) -> Config:
     return config
 
 
-def validate_config(data: dict[str, Any], on_this_machine: bool = False) -> Config:
+def validate_config(data: dict[str, Any], on_this_machine: bool = False, envs: bool = True) -> Config:
     """A checked Config from plain data. When the schema fails, its problems come with those of the env ids
     and args and the algorithm ids and options of the entries that parse on their own; the checks that need
     the whole config (models, stop tokens, trackers, LoRA targets, colocation, an algorithm against the
@@ -44,8 +45,8 @@ def validate_config(data: dict[str, Any], on_this_machine: bool = False) -> Conf
     try:
         config = parse_config(data)
     except ConfigError as exc:
-        raise ConfigError(list(dict.fromkeys(exc.problems + entry_problems(data)))) from None
-    return check_config(config, on_this_machine)
+        raise ConfigError(list(dict.fromkeys(exc.problems + (entry_problems(data) if envs else [])))) from None
+    return check_config(config, on_this_machine, envs)
 
 
 def load_config(path: str | Path, overrides: list[str] = (), on_this_machine: bool = False) -> Config:
