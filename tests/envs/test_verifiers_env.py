@@ -13,8 +13,6 @@ from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_traces
 
-pytest.importorskip("verifiers.v1")
-
 TASKSETS = str(Path(__file__).resolve().parents[2] / "configs" / "verifiers")  # the shipped tasksets
 
 

@@ -46,13 +46,15 @@ class VerifiersArgs(BaseModel):
 
 
 def verifiers_module():
-    """`verifiers.v1`, or an EnvError naming the extra that installs it."""
+    """`verifiers.v1` (the version trace-rl hooks into), or an EnvError naming the extra that installs it."""
+    from trace_rl.verifiers.extra import VerifiersMissingError, require_verifiers
+
     try:
-        import verifiers.v1 as vf
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and exc.name.split(".")[0] == "verifiers":
-            raise EnvError("the verifiers env needs the verifiers package: pip install 'trace-rl[verifiers]'") from None
-        raise
+        require_verifiers("env 'verifiers'")
+    except VerifiersMissingError as exc:
+        raise EnvError(str(exc)) from None
+    import verifiers.v1 as vf
+
     return vf
 
 
