@@ -102,3 +102,32 @@ def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
     assert "'docker' runtime" in lacking and "this machine lacks it" in lacking
     assert "import_paths: 'no/such/folder'" in problem({"taskset": {"id": "addition_tasks"}},
                                                          import_paths=["no/such/folder"])
+
+
+def test_a_failed_episode_is_a_failed_rollout_with_verifiers_error(tiny_model_path):
+    import asyncio
+
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Sampler
+    from trace_rl.envs.lookup import load_env
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models.runtime import RuntimeConfig
+    from trace_rl.pipeline.rollouts import run_rollout
+
+    env = load_env("verifiers", {"taskset": {"id": "failing_tasks"}},
+                   [str(Path(__file__).parent / "verifiers_tasksets")])
+    runtime = build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
+    sampler = Sampler(runtime, SamplingConfig(max_completion_tokens=4), seed=1)
+    examples = env.examples(0, 4)
+
+    async def play():
+        return await asyncio.gather(*(run_rollout(env, example, sampler, max_retries=0, backoff_s=0)
+                                      for example in examples))
+
+    for example, (traces, retries) in zip(examples, asyncio.run(play())):
+        (trace,) = traces
+        if example.data["task"] % 2:
+            assert trace.error.startswith(f"EnvError: verifiers episode of task {example.id} failed: TaskError")
+            assert f"task {example.data['task']} cannot be scored" in trace.error
+        else:
+            assert trace.error is None and trace.reward == 1.0 and trace.branches[0].sampled.any()
