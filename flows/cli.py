@@ -246,8 +246,15 @@ def cmd_env_server(args) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line, as every other refusal of the command line (not the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trace-rl", description=DESCRIPTION)
+    parser = Parser(prog="trace-rl", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run a training run (or --dry-run to print the resolved config)")
@@ -350,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         quiet.by_default(verbose)
     try:
         return args.func(args)
-    except (ConfigError, RefusedError) as exc:  # checked before any flow run starts: the message is the news
+    except ConfigError as exc:  # checked before any flow run starts: the message is the news
+        print("\n".join(f"error: {problem}" for problem in exc.problems), file=sys.stderr)
+        return 2
+    except RefusedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a step failed: its cause in one line (the traceback is in the UI, or --verbose)

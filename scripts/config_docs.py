@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import UnionType
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -37,10 +39,24 @@ def default_of(field) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def type_name(annotation) -> str:
+    """A type as a reader writes it: `Annotated` metadata dropped, classes by their bare names."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin in (Union, UnionType):
+        return " | ".join(type_name(arg) for arg in args)
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(arg) for arg in args)}]"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(type_name(arg) for arg in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
 def type_of(field) -> str:
-    text = str(field.annotation).replace("typing.", "").replace("trace_rl.config.", "")
-    text = text.replace("trace_rl.algorithms.base.", "").replace("<class '", "").replace("'>", "")
-    return f"`{text}`".replace("|", "\\|")
+    return f"`{type_name(field.annotation)}`".replace("|", "\\|")
 
 
 def reference() -> str:

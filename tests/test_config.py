@@ -178,10 +178,23 @@ def test_dry_run_lists_schema_env_and_algorithm_problems_in_one_error(tmp_path):
                    .replace('algorithms = ["grpo"]', 'algorithms = ["grop"]'))
     out = _cli("train", str(bad), "--dry-run")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == ["error: invalid config:"]
-    assert "  - sead: unknown key; did you mean 'seed'?" in out.stderr
-    assert "  - env.0: unknown env id 'revers'" in out.stderr
-    assert "  - algorithms: unknown algorithm 'grop' for env 'revers'" in out.stderr
+    lines = out.stderr.splitlines()
+    assert all(line.startswith("error: ") for line in lines) and len(lines) == 3, lines
+    assert "error: sead: unknown key; did you mean 'seed'?" in lines
+    assert any(line.startswith("error: env.0: unknown env id 'revers'") for line in lines)
+    assert any(line.startswith("error: algorithms: unknown algorithm 'grop' for env 'revers'") for line in lines)
+
+
+def test_a_bad_subcommand_or_flag_is_one_line_with_where_to_look(capsys):
+    from flows.cli import main
+
+    for argv, expected in ((["trian"], "error: argument command: invalid choice: 'trian'"),
+                           (["train", "configs/demo.toml", "--dry-rum"], "error: unrecognized arguments: --dry-rum")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(expected) and line.endswith("--help`"), line
 
 
 def test_an_import_path_whose_module_is_nowhere_says_so_with_the_fix():
@@ -230,7 +243,7 @@ def test_dry_run_refuses_colocate_with_a_cpu_trainer():
     out = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(DEMO), "--dry-run", "--set",
                           "inference.colocate=true"], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     assert out.returncode == 2, out.stderr
-    assert out.stderr == ("error: invalid config:\n  - inference.colocate = true: trainer.device = 'auto' trains on "
+    assert out.stderr == ("error: inference.colocate = true: trainer.device = 'auto' trains on "
                           "the CPU here (this machine has no GPU), which shares no GPU with the engines; remove "
                           "inference.colocate (by default the engines colocate whenever the trainer is on CUDA)\n")
 

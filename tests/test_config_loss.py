@@ -34,7 +34,6 @@ def test_the_default_is_todays_dppo_loss():
     ({"policy": "gspo", "clip_c": 3.0}, "clip_c is not used by policy = 'gspo'"),
     ({"policy": "ppo", "tau_pos": 2.0}, "tau_pos is not used by policy = 'ppo' (only by sapo)"),
     ({"policy": "reinforce", "dppo_mask_high": 0.5}, "dppo_mask_high is not used by policy = 'reinforce'"),
-    ({"policy": "gspo", "aggregation": "token-mean"}, "aggregation = 'token-mean' loses the sequence structure"),
     ({"norm_tokens": 512}, "norm_tokens is used only by aggregation = 'seq-mean-token-sum-norm'"),
     ({"policy": "ppo", "max_is_ratio": 2.0}, "max_is_ratio truncates the importance weight of dppo and reinforce"),
     ({"policy": "cispo", "correction": {"high": 2.0}}, "correction.mode = 'truncate' truncates"),
@@ -79,3 +78,13 @@ def test_dry_run_refuses_a_key_the_policy_does_not_use():
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     assert "trainer.loss: tau_pos is not used by policy = 'ppo' (only by sapo); remove it" in out.stderr
+
+
+@pytest.mark.parametrize("policy", ["gspo", "sapo"])
+def test_gspo_and_sapo_take_any_aggregation_with_one_note_that_the_paper_aggregates_per_sequence(policy):
+    assert LossConfig(policy=policy).notes == []
+    assert LossConfig(policy=policy, aggregation="seq-mean-token-mean").notes == []
+    for aggregation in ("token-mean", "seq-mean-token-sum"):
+        (note,) = LossConfig(policy=policy, aggregation=aggregation).notes
+        assert f"policy = '{policy}' with aggregation = '{aggregation}'" in note and "per sequence" in note
+    assert LossConfig(policy="ppo", aggregation="token-mean").notes == []

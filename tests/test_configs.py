@@ -95,7 +95,9 @@ def test_prefect_yaml_declares_the_deployments_serve_serves(monkeypatch):
     served = []
     monkeypatch.setattr(flows.serve, "serve", lambda *deployments: served.extend(deployments))
     flows.serve.serve_config(load_config(ROOT / "configs" / "demo.toml"))
-    declared = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    text = (ROOT / "prefect.yaml").read_text()
+    declared = yaml.safe_load(text)["deployments"]
+    assert len(declared) == 5 and "# Five deployments: the three of `trace-rl serve" in text
     nodes = "flows/node.py:trainer_node"  # node K of a multi-node trainer (docs/scaling.md): no `serve` counterpart
     assert sorted({d["entrypoint"] for d in declared} - {nodes}) == sorted(d.entrypoint for d in served) == [
         "flows/eval.py:evaluate", "flows/replay.py:replay", "flows/train.py:train"]

@@ -67,6 +67,9 @@ class Strict(BaseModel):
 
 
 # the attention and MLP projections of Llama-style decoders (Qwen2/3, Llama, Mistral): peft's names of their Linears
+# the version of trace-rl's numeric conventions that new runs follow (`Config.numerics`)
+NUMERICS = 2
+
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -283,9 +286,6 @@ class LossConfig(Strict):
                                 "remove it")
         if self.norm_tokens is not None and self.aggregation_mode != "seq-mean-token-sum-norm":
             problems.append("norm_tokens is used only by aggregation = 'seq-mean-token-sum-norm'; remove it")
-        if self.policy == "gspo" and self.aggregation_mode != "seq-mean-token-mean":
-            problems.append(f"policy = 'gspo' optimizes a sequence-level objective: aggregation = "
-                            f"'{self.aggregation}' loses the sequence structure; use 'seq-mean-token-mean' (or unset)")
         if self.max_is_ratio is not None and self.correction is not None:
             problems.append("max_is_ratio is the shorthand of correction = {level = 'token', mode = 'truncate', "
                             "high = ...}: set one of them")
@@ -304,6 +304,14 @@ class LossConfig(Strict):
         if self.aggregation is not None:
             return self.aggregation
         return "seq-mean-token-mean" if self.policy in ("gspo", "sapo") else "token-mean"
+
+    @property
+    def notes(self) -> list[str]:
+        """Warnings about a valid but unusual choice, logged once when a run starts."""
+        if self.policy in ("gspo", "sapo") and self.aggregation_mode != "seq-mean-token-mean":
+            return [f"trainer.loss: policy = '{self.policy}' with aggregation = '{self.aggregation}' (as verl allows); "
+                    "the paper aggregates per sequence (aggregation = 'seq-mean-token-mean', the default)"]
+        return []
 
     @property
     def clip(self) -> tuple[float, float]:
@@ -467,11 +475,17 @@ class Config(Strict):
     name: str = Field(..., min_length=1, description="run name: the run lives at <storage>/<name>/")
     steps: int = Field(10, gt=0, description="training steps, numbered from 1")
     seed: int = Field(0, description="seeds sampling, data and the trainer: same config + seed, same weights")
+    numerics: int = Field(NUMERICS, ge=1, le=NUMERICS, description="trace-rl's numeric conventions, recorded in "
+                          "every run's config.toml: 2 (from 2026-11-25) grpo's std unbiased, as TRL and verl; 1 before "
+                          "(population std), which replay of a run without the key keeps")
     storage: str = Field("runs", description="fsspec URL or local path")
     storage_options: StorageOptions = Field(
         default_factory=dict, description="fsspec options, e.g. S3 endpoint; credential values (key, secret, token, "
         "password, ...) stay out of config.toml, flow parameters and the config hash; 'env:VARIABLE' or "
         "'prefect-secret:BLOCK' reads one when the run opens its storage (docs/storage.md)")
+    imports: list[str] = Field(default_factory=list, description="modules imported before env and algorithm ids "
+                               "are looked up, so that their @register_env and @register short ids resolve, e.g. "
+                               "['my_envs']; found like import paths (docs/envs.md)")
     actor: str = Field(POLICY, description="which model samples rollouts: 'policy' or a [models.<key>] with tokens")
     algorithms: list[AlgorithmSpec] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=
                                               "default for every env: ids or {id = ..., <options>} tables")

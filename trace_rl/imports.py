@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 
 def module_is_missing(module_name: str, exc: ModuleNotFoundError) -> bool:
     """Whether `exc` says `module_name` itself (or a package above it) is not there, rather than a module it
@@ -14,3 +16,19 @@ def not_on_path(module_name: str) -> str:
     top = module_name.split(".")[0]
     return (f"module {module_name!r} was not found on sys.path; run trace-rl from the directory that holds "
             f"{top}/ (or {top}.py), add that directory to PYTHONPATH, or pip install the package")
+
+
+def import_modules(names: list[str], where: str = "imports") -> list[str]:
+    """Import each module (its `@register_env` and `@register` decorators run); the problems, one per module that
+    is not there or fails to import."""
+    problems = []
+    for index, name in enumerate(names):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            fix = not_on_path(name) if module_is_missing(name, exc) else f"it imports a module that is missing: {exc}"
+            problems.append(f"{where}.{index}: {fix}")
+        except Exception as exc:  # any error raised while the module runs
+            problems.append(f"{where}.{index}: importing module {name!r} failed: {type(exc).__name__}: {exc}; fix "
+                            "the module or install its dependencies")
+    return problems

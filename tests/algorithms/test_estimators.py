@@ -35,7 +35,7 @@ def test_rloo_leaves_each_trace_out_of_its_baseline():
 
 def test_grpo_scale_none_group_and_the_old_std_normalize():
     traces = [reward_trace("a", 1.0), reward_trace("b", 0.0), reward_trace("c", 2.0)]
-    std = np.sqrt(2 / 3)
+    std = 1.0  # unbiased: sqrt(((1-1)^2 + (0-1)^2 + (2-1)^2) / (3 - 1))
     group = {"a": 0.0, "b": -1 / (std + 1e-6), "c": 1 / (std + 1e-6)}
     assert advantages({"id": "grpo", "scale": "group"}, traces) == pytest.approx(group)
     assert advantages({"id": "grpo", "std_normalize": True}, traces) == advantages({"id": "grpo", "scale": "group"},
@@ -52,9 +52,24 @@ def step_traces():
             reward_trace("c", 4.0, group="g2"), reward_trace("d", 2.0, group="g2"), reward_trace("e", 0.0, group="g2")]
 
 
+def test_grpo_divides_by_torchs_unbiased_std_as_trl_and_verl_and_by_the_population_std_on_request():
+    """TRL (`scale_rewards`) and verl (`compute_grpo_outcome_advantage`) take torch.std, whose default is unbiased."""
+    import torch
+
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # a group of 8
+    traces = [reward_trace(f"t{i}", r) for i, r in enumerate(rewards)]
+    tensor = torch.tensor(rewards, dtype=torch.float64)
+    peers = ((tensor - tensor.mean()) / (tensor.std() + 1e-6)).tolist()
+    got = advantages({"id": "grpo", "scale": "group"}, traces)
+    assert [got[f"t{i}"] for i in range(8)] == pytest.approx(peers, rel=1e-6)
+    population = advantages({"id": "grpo", "scale": "group", "std": "population"}, traces)
+    assert population["t0"] / got["t0"] == pytest.approx(np.sqrt(8 / 7), rel=1e-5)  # 1.069x theirs
+    assert advantages({"id": "grpo", "scale": "group"}, [reward_trace("alone", 0.7)]) == {"alone": 0.0}
+
+
 def test_grpo_batch_scale_divides_by_the_std_of_the_whole_step():
-    std = np.std([1.0, 0.0, 4.0, 2.0, 0.0])
-    assert std == pytest.approx(np.sqrt(2.24))
+    std = np.std([1.0, 0.0, 4.0, 2.0, 0.0], ddof=1)
+    assert std == pytest.approx(np.sqrt(2.8))
     expected = {"a": 0.5 / (std + 1e-6), "b": -0.5 / (std + 1e-6), "c": 2 / (std + 1e-6), "d": 0.0,
                 "e": -2 / (std + 1e-6)}
     assert advantages({"id": "grpo", "scale": "batch"}, step_traces()) == pytest.approx(expected)

@@ -29,8 +29,8 @@ def test_grpo_centres_on_the_mean_of_ok_traces_only():
 def test_grpo_std_normalize_divides_by_group_std():
     channels = channels_by_trace({"id": "grpo", "std_normalize": True},
                                  [reward_trace("a", 1.0), reward_trace("b", 0.0), reward_trace("c", 2.0)])
-    # mean 1, population std sqrt(2/3)
-    std = np.sqrt(2 / 3)
+    # mean 1, unbiased std 1
+    std = 1.0
     assert channels["a"].values[5] == pytest.approx(0.0)
     assert channels["b"].values[5] == pytest.approx(-1 / (std + 1e-6))
     assert channels["c"].values[7] == pytest.approx(1 / (std + 1e-6))

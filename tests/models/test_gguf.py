@@ -157,7 +157,7 @@ def test_dry_run_of_a_bad_gguf_exits_2_with_one_line_and_a_good_one_imports_no_t
     out = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(bad), "--dry-run"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.count("  - ") == 1 and f"no such GGUF file ({tmp_path / 'missing.gguf'})" in out.stderr
+    assert out.stderr.count("error: ") == 1 and f"no such GGUF file ({tmp_path / 'missing.gguf'})" in out.stderr
 
     good = tmp_path / "good.toml"
     good.write_text(DEMO.read_text().replace('name = "tiny"', f'name = "{BUILTIN}"'))

@@ -96,7 +96,7 @@ def test_dry_run_of_a_missing_hub_id_offline_exits_2_with_one_clear_message(tmp_
                          capture_output=True, text=True, cwd=ROOT, env=offline_env(tmp_path / "empty-cache"))
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
-    assert out.stderr.count("  - ") == 1
+    assert out.stderr.count("error: ") == 1
     assert f"model.name: '{MISSING}' at revision 'v2' is not in the Hugging Face cache" in out.stderr
     assert f"huggingface-cli download {MISSING} --revision v2" in out.stderr
 

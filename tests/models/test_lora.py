@@ -78,7 +78,7 @@ def test_dry_run_refuses_lora_with_fsdp_on_one_process():
     out = subprocess.run([sys.executable, "-m", "flows.cli", "train", "configs/lora.toml", "--dry-run",
                           "--set", "trainer.parallel=fsdp"], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 2, out.stderr
-    assert out.stderr == ("error: invalid config:\n  - model.lora with trainer.parallel = 'fsdp' is not supported; use "
+    assert out.stderr == ("error: model.lora with trainer.parallel = 'fsdp' is not supported; use "
                           "trainer.parallel = 'ddp' (the default; adapters are small: every rank holds them whole), "
                           "without trainer.cpu_offload\n")
 

@@ -39,6 +39,9 @@ class Algorithm:
     # reinforce_pp): the runner then hands `advantage` every group of the step in one call; it may be a
     # property of the options. On an env server, see docs/algorithms.md
     whole_step: ClassVar[bool] = False
+    # options whose default changed, keyed by the numerics version (`Config.numerics`) that still had the old
+    # default: a run recorded under that version keeps it unless its config sets the option
+    older_defaults: ClassVar[dict[int, dict[str, Any]]] = {}
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config

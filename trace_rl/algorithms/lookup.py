@@ -54,6 +54,13 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
     return cls
 
 
+def under_numerics(config: AlgorithmConfig, numerics: int) -> AlgorithmConfig:
+    """`config` with the defaults its algorithm had under numerics version `numerics`, where it leaves them unset."""
+    cls = resolve_algorithm_class(config.id)
+    older = cls.older_defaults.get(numerics, {}) if cls is not None else {}
+    return AlgorithmConfig(id=config.id, **{**older, **config.options}) if older else config
+
+
 def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm:
     config = AlgorithmConfig.parse(spec)
     cls = resolve_algorithm_class(config.id)

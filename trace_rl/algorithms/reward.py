@@ -12,6 +12,8 @@ from trace_rl.algorithms.registry import REGISTRY, register
 from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
 from trace_rl.data.trace import Trace, group_traces
 
+StdKind = Literal["unbiased", "population"]
+
 
 def set_trace_advantages(traces: list[Trace], advantages: np.ndarray) -> None:
     for trace, advantage in zip(traces, advantages, strict=True):
@@ -19,13 +21,19 @@ def set_trace_advantages(traces: list[Trace], advantages: np.ndarray) -> None:
             set_on_sampled(branch, advantage)
 
 
-def group_relative(rewards: np.ndarray, std_normalize: bool) -> np.ndarray:
-    """GRPO (arXiv 2402.03300): A_i = r_i - mean(r), or (r_i - mean(r)) / (std(r) + 1e-6).
+def spread(rewards: np.ndarray, std: StdKind) -> float:
+    """The standard deviation of `rewards`: `unbiased` divides the squared deviations by n - 1 (torch's default,
+    TRL's `scale_rewards` and verl's `compute_grpo_outcome_advantage`), `population` by n (numpy's default; trace-rl's
+    before 2026-11-25). A single reward has no spread: 0."""
+    if len(rewards) < 2:
+        return 0.0
+    return float(rewards.std(ddof=1 if std == "unbiased" else 0))
 
-    `std` is the population standard deviation of the group; a group of one gives 0.
-    """
+
+def group_relative(rewards: np.ndarray, std_normalize: bool, std: StdKind = "unbiased") -> np.ndarray:
+    """GRPO (arXiv 2402.03300): A_i = r_i - mean(r), or (r_i - mean(r)) / (spread(r) + 1e-6); a group of one gives 0."""
     centered = rewards - rewards.mean()
-    return centered / (rewards.std() + 1e-6) if std_normalize else centered
+    return centered / (spread(rewards, std) + 1e-6) if std_normalize else centered
 
 
 def leave_one_out(rewards: np.ndarray) -> np.ndarray:
@@ -115,6 +123,7 @@ def shaped_rewards(traces: list[Trace], options: RewardOptions) -> np.ndarray:
 class GRPOOptions(RewardOptions):
     std_normalize: bool | None = None
     scale: Literal["group", "batch", "none"] | None = None
+    std: StdKind = "unbiased"
 
     @model_validator(mode="after")
     def _one_scale(self) -> GRPOOptions:
@@ -136,12 +145,14 @@ class GRPO(GroupBaseline):
 
     `scale`: `none` (the default; Dr. GRPO, arXiv 2503.20783) divides by 1; `group` by the group's
     std + 1e-6 (GRPO, arXiv 2402.03300; `std_normalize = true`); `batch` by the std of the whole
-    step's rewards + 1e-6 (Liu et al. 2025, arXiv 2508.08221). The mean and stds are over ok
-    traces only: errored and untrainable traces get no signal and do not shift them.
+    step's rewards + 1e-6 (Liu et al. 2025, arXiv 2508.08221). `std`: `unbiased` (the default, as TRL and
+    verl) or `population` (`spread`). The mean and stds are over ok traces only: errored and untrainable
+    traces get no signal and do not shift them.
     """
 
     loss = "rl"
     Options = GRPOOptions
+    older_defaults = {1: {"std": "population"}}
 
     @property
     def whole_step(self) -> bool:
@@ -153,9 +164,10 @@ class GRPO(GroupBaseline):
             return
         mode = self.options.scale_mode
         if mode != "batch":
-            set_trace_advantages(traces, group_relative(shaped_rewards(traces, self.options), mode == "group"))
+            set_trace_advantages(traces, group_relative(shaped_rewards(traces, self.options), mode == "group",
+                                                        self.options.std))
             return
-        std = shaped_rewards(traces, self.options).std()
+        std = spread(shaped_rewards(traces, self.options), self.options.std)
         for group in group_traces(traces).values():
             rewards = shaped_rewards(group, self.options)
             set_trace_advantages(group, (rewards - rewards.mean()) / (std + 1e-6))

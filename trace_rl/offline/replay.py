@@ -223,6 +223,7 @@ def source_config(run_url: str, storage_options: dict[str, Any] | None = None, o
     if not storage.exists(path):
         raise ConfigError([f"{flag} {run_url}: no config.toml there; is it a trace-rl run directory?"])
     local = tomllib.loads(storage.read_bytes(path).decode())
+    local.setdefault("numerics", 1)  # a run's config.toml records it since numerics 2: without it, the run predates
     for assignment in overrides:
         apply_override(local, assignment)
     local["storage"], local["name"] = run_url.rstrip("/").rpartition("/")[::2]

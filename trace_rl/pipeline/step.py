@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from trace_rl.algorithms.base import AlgorithmConfig
-from trace_rl.algorithms.lookup import load_algorithm
+from trace_rl.algorithms.lookup import load_algorithm, under_numerics
 from trace_rl.config import Config
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Trace
@@ -54,7 +54,7 @@ def algorithm_jobs(config: Config) -> list[AlgorithmJob]:
     """The step's algorithm tasks in first-listed order; one per distinct (config, server) pair."""
     jobs: dict[tuple[str, str | None], tuple[AlgorithmConfig, list[str]]] = {}
     for env in config.env:
-        for algo in config.algorithms_for(env):
+        for algo in (under_numerics(a, config.numerics) for a in config.algorithms_for(env)):
             server = remote_server_for(env, algo)
             key = (algo.model_dump_json(), server)
             jobs.setdefault(key, (algo, []))[1].append(env.id)

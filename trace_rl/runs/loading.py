@@ -16,6 +16,7 @@ from typing import Any
 from trace_rl.algorithms.check import check_algorithm, check_algorithms
 from trace_rl.config import AlgorithmConfig, Config, ConfigError, parse_config, read_config_data
 from trace_rl.envs.lookup import check_env, check_envs
+from trace_rl.imports import import_modules
 from trace_rl.models.hub import check_models
 from trace_rl.models.lora import check_lora
 from trace_rl.models.runtime import check_stop_tokens
@@ -28,7 +29,11 @@ def check_config(config: Config, on_this_machine: bool = False, envs: bool = Tru
     `on_this_machine`: the run starts in this process, so what this machine has counts too (a GPU for
     `inference.colocate`). `envs=False` leaves the env ids unchecked: a replay of trace records names with them
     where its traces came from, not envs it runs."""
-    problems = (check_envs(config) if envs else []) + check_algorithms(config) + check_models(config) + check_stop_tokens(config)
+    problems = import_modules(config.imports)
+    if problems:  # the ids below may be theirs
+        raise ConfigError(problems)
+    problems = (check_envs(config) if envs else []) + check_algorithms(config) + check_models(config) + \
+        check_stop_tokens(config)
     problems += check_trackers(config) + check_lora(config)
     if not problems:  # which engines exist depends on valid algorithm options
         problems = check_colocation(config, on_this_machine)
@@ -59,6 +64,11 @@ def entry_problems(data: Any) -> list[str]:
     args, and of each env's algorithms' ids and options, for the entries whose own keys are well-formed."""
     if not isinstance(data, dict):
         return []
+    imports = data.get("imports")
+    if isinstance(imports, list) and all(isinstance(name, str) for name in imports):
+        failed = import_modules(imports)
+        if failed:
+            return failed
     envs = [(f"env.{i}", entry) for i, entry in enumerate(_list(data.get("env")))]
     evaluation = data.get("eval")
     if isinstance(evaluation, dict):

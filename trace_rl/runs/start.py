@@ -88,6 +88,8 @@ def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
             logger.warning("resuming %s with a changed config (config hash now %s); finished stages made from the "
                            "old config are not reused", storage.url, config_hash(config))
     storage.write_atomic(config_path, config_to_toml(config).encode())
+    for note in config.trainer.loss.notes:
+        logger.warning(note)
     first = first_unfinished_step(storage)
     if mode == "resume":
         logger.info("resuming %s at step %d", storage.url, first)
