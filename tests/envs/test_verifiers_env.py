@@ -131,3 +131,24 @@ def test_a_failed_episode_is_a_failed_rollout_with_verifiers_error(tiny_model_pa
             assert f"task {example.data['task']} cannot be scored" in trace.error
         else:
             assert trace.error is None and trace.reward == 1.0 and trace.branches[0].sampled.any()
+
+
+@pytest.mark.vllm
+def test_a_multi_turn_episode_on_a_vllm_server_matches_recomputed_logprobs(vllm_server, tiny_model_path):
+    import asyncio
+
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Sampler
+    from trace_rl.envs.lookup import load_env
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models.runtime import RuntimeConfig
+
+    env = load_env("verifiers", {"taskset": {"id": "follow_up_tasks"}}, [TASKSETS])
+    runtime = build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="vllm",
+                                          base_urls=[vllm_server.url]))
+    sampler = Sampler(runtime, SamplingConfig(max_completion_tokens=6), seed=5)
+    (trace,) = asyncio.run(env.rollout(env.examples(0, 1)[0], sampler))
+    (branch,) = trace.branches
+    assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant"]
+    expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
+    assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
