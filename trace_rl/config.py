@@ -188,6 +188,14 @@ class EnvConfig(Strict):
                              "uniform); raise group_size")
         return self
 
+    @field_validator("server")
+    @classmethod
+    def _http_server(cls, server: str | None) -> str | None:
+        if server is not None and not server.startswith(("http://", "https://")):
+            raise ValueError(f"{server!r}: trace-rl's env server is reached over http:// or https:// (a verifiers "
+                             "env server, tcp://, is not supported yet: run the verifiers env in-process)")
+        return server
+
 
 # the [trainer.loss] keys each policy reads; the others are refused with that policy (docs/trainer.md)
 POLICY_KEYS = {
