@@ -60,6 +60,8 @@ def test_a_single_turn_taskset_trains_two_steps_and_evaluates(prefect_api, tmp_p
 
 def test_a_multi_turn_env_splices_the_first_turn_and_matches_recomputed_logprobs(prefect_api, tmp_path,
                                                                                    tiny_model_path):
+    from transformers import AutoTokenizer
+
     from flows.train import run_training
 
     config = validate_config(verifiers_run(str(tmp_path), "vf-multi", "follow_up_tasks"))
@@ -70,14 +72,16 @@ def test_a_multi_turn_env_splices_the_first_turn_and_matches_recomputed_logprobs
             <= 1e-4
     traces = read_traces(storage, 1)
     assert len(traces) == 4
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     for trace in traces:
         assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant"]
         assert trace.messages[2].content == "Now add 1 to that."
         (branch,) = trace.branches  # turn 2 extends turn 1's exact ids: one branch
         turns = np.flatnonzero(np.diff(np.concatenate([[0], branch.sampled.astype(int)])) == 1)
         assert len(turns) == 2
-        # the first turn's sampled ids sit unchanged inside the second turn's prompt, followed by the template
-        assert not branch.sampled[turns[1] - 1]
+        first = branch.token_ids[turns[0]:turns[0] + np.argmin(branch.sampled[turns[0]:])]  # turn 1 as sampled
+        first = first[:-1] if first[-1] == tokenizer.eos_token_id else first  # its end of turn ends the message
+        assert tokenizer.decode(first, skip_special_tokens=False) == trace.messages[1].content
         expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
         assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
 
