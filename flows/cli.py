@@ -148,13 +148,11 @@ def cmd_eval(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from trace_rl.offline.replay import check_records_replay, check_replay, check_train_start, parse_algorithms
+    from trace_rl.offline.replay import (
+        check_records_replay, check_replay, check_source, check_train_start, parse_algorithms,
+    )
 
-    if args.run is not None and args.traces is not None:
-        raise RefusedError("replay: --run and --traces both name traces to replay; give one of them")
-    if args.run is None and args.traces is None:
-        raise RefusedError("replay: name the traces to replay: --run RUN (a run's saved traces) or --traces FILE "
-                           "(verifiers trace records)")
+    check_source(args.run, args.traces)
     algorithms = parse_algorithms(args.algorithms)
     if args.traces is not None:
         plan = check_records_replay(args.traces, algorithms, args.out, args.steps, args.overwrite,

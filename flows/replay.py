@@ -24,6 +24,7 @@ def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: 
            storage_options: dict | None = None, overwrite: bool = False, overrides: list[str] = (),
            traces: str | None = None) -> list[dict]:
     """Replay the run `run`, or with `traces` (and `run` None) a file of verifiers v1 trace records."""
+    lib.check_source(run, traces)
     if traces is not None:
         plan = lib.check_records_replay(traces, algorithms, out, steps, overwrite, storage_options, overrides)
     else:
@@ -68,14 +69,19 @@ def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: 
 
 
 def comparison_table(summaries: list[dict], algorithms: list[str]) -> Table:
-    """Per step, the original batch above the replayed one, and the tokens each algorithm masked."""
-    table = Table(title="replayed batches vs the original run", box=box.SIMPLE_HEAD)
+    """Per step, the original batch above the replayed one (when the source has batches: a records file has
+    none), and the tokens each algorithm masked."""
+    originals = any(s["original"] for s in summaries)
+    table = Table(title="replayed batches vs the original run" if originals else "replayed batches",
+                  box=box.SIMPLE_HEAD)
     for column in ("step", "batch", "rl tokens", "rl mean", "ce tokens", "ce mean", "tokens by algorithm"):
         table.add_column(column, justify="left" if column in ("batch", "tokens by algorithm") else "right")
     for s in summaries:
         by_algorithm = "\n".join(f"{a} {tokens(s, a) or 'none'}" for a in algorithms)
-        table.add_row(str(s["step"]), "original", *batch_cells(s["original"]), "")
-        table.add_row("", "replayed", *batch_cells(s["replayed"]), by_algorithm, end_section=True)
+        if originals:
+            table.add_row(str(s["step"]), "original", *batch_cells(s["original"]), "")
+        table.add_row("" if originals else str(s["step"]), "replayed", *batch_cells(s["replayed"]), by_algorithm,
+                      end_section=True)
     return table
 
 

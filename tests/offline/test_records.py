@@ -4,6 +4,7 @@ run's own batches, bit for bit; bad input is refused in one line (exit 2)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -74,6 +75,18 @@ def test_replaying_the_records_through_the_runs_algorithm_writes_the_runs_batche
         assert replayed.num_rows > 0 and replayed.equals(original)
     assert out.stable_steps("weights") == list(STEPS)  # --train trained a model on them
     assert json.loads(open(out.path("replay.json")).read())["source"] == exported
+    printed = table_text(summaries)
+    assert "replayed batches" in printed and "original" not in printed  # records have no original batches
+
+
+def table_text(summaries: list[dict]) -> str:
+    from rich.console import Console
+
+    from flows.replay import comparison_table
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(comparison_table(summaries, ["grpo"]))
+    return console.export_text()
 
 
 def test_bad_input_is_refused_in_one_line(run, exported, tmp_path, capsys):
@@ -100,3 +113,19 @@ def test_bad_input_is_refused_in_one_line(run, exported, tmp_path, capsys):
     assert cli(capsys, "export-traces", run.url, "--out", exported) == (
         2, f"error: --out {exported} exists; choose another file or pass --overwrite to replace it")
     assert not (tmp_path / "out").exists()
+
+
+def test_records_sampled_behind_their_step_are_not_refused_as_stale(tmp_path):
+    """An `[async]` run's traces of step 3 sampled with the weights of step 1 replay as they were sampled."""
+    from tests.data.test_trace import make_trace
+    from trace_rl.offline.replay import check_records_replay
+    from trace_rl.pipeline.schedule import StaleTraceError, check_staleness
+    from trace_rl.verifiers.records import write_records
+
+    path = str(tmp_path / "async.jsonl")
+    write_records(path, {3: [make_trace("a", policy_step=1), make_trace("b", policy_step=2)]})
+    plan = check_records_replay(path, [AlgorithmConfig(id="grpo")], str(tmp_path / "out"))
+    assert plan.steps == [3] and plan.config.async_.max_off_policy_steps == 1
+    check_staleness(plan.records[3], 3, plan.config.async_.max_off_policy_steps)
+    with pytest.raises(StaleTraceError):
+        check_staleness(plan.records[3], 3, 0)

@@ -106,10 +106,19 @@ def test_a_trace_id_twice_in_one_step_is_refused(tmp_path):
 
 
 def test_without_verifiers_the_check_names_the_extra(tmp_path):
-    """In an interpreter that has only the standard library and trace-rl's source (no site-packages)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from trace_rl.verifiers.extra import require_verifiers\n"
+    """In an interpreter whose packages are this environment's but verifiers' (each entry of site-packages linked
+    into a directory of its own, verifiers and its metadata left out)."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith("verifiers"):
+            (packages / entry.name).symlink_to(entry)
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; from trace_rl.verifiers.extra import require_verifiers\n"
             "try: require_verifiers('--traces x.jsonl')\nexcept Exception as exc: print(type(exc).__name__, exc)")
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT), str(packages)], capture_output=True,
+                         text=True, check=True).stdout
     assert out == ("VerifiersMissingError --traces x.jsonl needs the verifiers package, which is not installed; "
                    "pip install 'trace-rl[verifiers]'\n")

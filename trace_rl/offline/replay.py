@@ -86,6 +86,15 @@ def check_replay(run: str, algorithms: list[AlgorithmConfig], out: str, steps: s
     return ReplayPlan(source, config, source_storage, out_storage, chosen)
 
 
+def check_source(run: str | None, traces: str | None) -> None:
+    """A replay reads a run (`--run`) or a records file (`--traces`): exactly one of them."""
+    if run is not None and traces is not None:
+        raise RefusedError("replay: --run and --traces both name traces to replay; give one of them")
+    if run is None and traces is None:
+        raise RefusedError("replay: name the traces to replay: --run RUN (a run's saved traces) or --traces FILE "
+                           "(verifiers trace records)")
+
+
 def check_records_replay(traces: str, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
                          overwrite: bool = False, storage_options: dict[str, Any] | None = None,
                          overrides: list[str] = ()) -> ReplayPlan:
@@ -99,9 +108,12 @@ def check_records_replay(traces: str, algorithms: list[AlgorithmConfig], out: st
     recorded = read_records(traces, storage_options)
     chosen = parse_steps(steps, sorted(recorded), source=f"--traces {traces}")
     envs = list(dict.fromkeys(trace.env for step in chosen for trace in recorded[step]))
+    # the records were sampled as far behind their steps as they were: replay does not refuse them as stale
+    lag = max((step - 1 - trace.policy_step for step in chosen for trace in recorded[step]), default=0)
     data: dict[str, Any] = {"name": out_storage.name, "storage": out_storage.storage,
                             "storage_options": storage_options or {}, "env": [{"id": env} for env in envs],
-                            "algorithms": [a.model_dump() for a in algorithms]}
+                            "algorithms": [a.model_dump() for a in algorithms],
+                            "async": {"max_off_policy_steps": max(lag, 0)}}
     for assignment in overrides:
         apply_override(data, assignment)
     config = validate_config(data, envs=False)

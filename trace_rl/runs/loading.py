@@ -32,8 +32,8 @@ def check_config(config: Config, on_this_machine: bool = False, envs: bool = Tru
     problems = import_modules(config.imports)
     if problems:  # the ids below may be theirs
         raise ConfigError(problems)
-    problems = (check_envs(config) if envs else []) + check_algorithms(config) + check_models(config) + \
-        check_stop_tokens(config)
+    problems = (check_envs(config) if envs else []) + check_algorithms(config) + check_models(config)
+    problems += check_stop_tokens(config)
     problems += check_trackers(config) + check_lora(config)
     if not problems:  # which engines exist depends on valid algorithm options
         problems = check_colocation(config, on_this_machine)

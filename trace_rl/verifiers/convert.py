@@ -82,11 +82,10 @@ def trace_from_vf(vf_trace: vf.Trace, *, env: str | None = None, example_id: str
         raise ConversionError(f"trace {vf_trace.id}: a sampled turn has no token ids (sampled through an eval "
                               "client, which returns text only); trace-rl trains on token ids")
     message_of, messages = _messages(vf_trace)
-    position = {id(node): i for i, node in enumerate(vf_trace.nodes)}
     has_tokens = any(node.token_ids for node in vf_trace.nodes)
     try:
-        branches = [_branch(vf_trace, branch, [position[id(node)] for node in branch.nodes], message_of)
-                    for branch in vf_trace.branches] if has_tokens else []
+        branches = [_branch(vf_trace, branch, path, message_of)
+                    for branch, path in zip(vf_trace.branches, _paths(vf_trace))] if has_tokens else []
         rewards = {name: reward.score for name, reward in vf_trace.rewards.items() if reward is not None}
         rewards.pop(saved.get("reward_entry"), None)
         return Trace(
@@ -119,6 +118,21 @@ def _messages(vf_trace: vf.Trace) -> tuple[list[int], list[Message]]:
     return message_of, messages
 
 
+def _paths(vf_trace: vf.Trace) -> list[list[int]]:
+    """Each branch's node ids, root to leaf, in the order of `vf_trace.branches` (one per leaf, by node id)."""
+    from verifiers.v1.graph import leaves
+
+    paths = []
+    for leaf in leaves(vf_trace):
+        path: list[int] = []
+        node: int | None = leaf
+        while node is not None:
+            path.append(node)
+            node = vf_trace.nodes[node].parent
+        paths.append(path[::-1])
+    return paths
+
+
 def _message(message: Any) -> Message:
     from verifiers.v1.types import content_text
 
@@ -143,7 +157,8 @@ def _arguments(raw: str) -> dict[str, Any]:
 def _branch(vf_trace: vf.Trace, branch: vf.Branch, node_ids: list[int], message_of: list[int]) -> Branch:
     parts: dict[str, list[np.ndarray]] = {name: [] for name in ("token_ids", "sampled", "logprobs", "message_index",
                                                                  "is_content")}
-    for node_id, node in zip(node_ids, branch.nodes):
+    for node_id in node_ids:
+        node = vf_trace.nodes[node_id]
         n = len(node.token_ids)
         where = f"trace {vf_trace.id} node {node_id}"
         if len(node.mask) != n:
@@ -302,9 +317,9 @@ def _spans(trace: Trace, branch: Branch) -> list[tuple[int, slice]]:
     runs = [(int(filled[s]), slice(int(s), int(e))) for s, e in zip(starts, [*starts[1:], n])]
     order = [message for message, _ in runs]
     if order != sorted(set(order)):
-        raise ConversionError(f"trace {trace.id} branch {branch.index}: the tokens of message(s) "
-                              f"{sorted({m for m in order if order.count(m) > 1}) or order} are not in one piece in "
-                              "conversation order; a verifiers node holds one message's tokens")
+        raise ConversionError(f"trace {trace.id} branch {branch.index}: its messages' tokens are not in one piece "
+                              f"each, in conversation order (messages in token order: {order}); a verifiers node "
+                              "holds one message's tokens")
     by_message = dict(runs)
     return [(m, by_message.get(m, slice(0, 0))) for m in range(order[-1] + 1)]
 
