@@ -164,6 +164,9 @@ class EnvConfig(Strict):
     algorithms: list[AlgorithmSpec] | None = Field(None, description="replaces the top-level list for this env")
     args: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
     server: str | None = Field(None, description="URL of a remote env server for env-owned algorithms")
+    import_paths: list[str] = Field(
+        default_factory=list, description="folders (relative to the working directory) put on sys.path before the "
+        "env loads, where the modules it names live (e.g. a verifiers taskset module)")
     sampling: SamplingConfig | None = Field(None, description="replaces [sampling] for this env")
     max_error_fraction: float = Field(
         0.5, ge=0, le=1, description="the step fails, showing the first errors, when more than this fraction of "
@@ -184,6 +187,14 @@ class EnvConfig(Strict):
             raise ValueError("drop_uniform_groups with group_size = 1 drops every group (one reward is always "
                              "uniform); raise group_size")
         return self
+
+    @field_validator("server")
+    @classmethod
+    def _http_server(cls, server: str | None) -> str | None:
+        if server is not None and not server.startswith(("http://", "https://")):
+            raise ValueError(f"{server!r}: trace-rl's env server is reached over http:// or https:// (a verifiers "
+                             "env server, tcp://, is not supported yet: run the verifiers env in-process)")
+        return server
 
 
 # the [trainer.loss] keys each policy reads; the others are refused with that policy (docs/trainer.md)

@@ -6,7 +6,9 @@ Importing this module imports every builtin environment, so each has registered 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # the builtins: importing each registers its id
@@ -16,6 +18,7 @@ import trace_rl.envs.gym  # noqa: F401
 import trace_rl.envs.link_nav  # noqa: F401
 import trace_rl.envs.number_debate  # noqa: F401
 import trace_rl.envs.reverse_text  # noqa: F401
+import trace_rl.envs.verifiers  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS
 
@@ -33,7 +36,16 @@ def resolve_env_class(env_id: str) -> type[Environment]:
     return cls
 
 
-def load_env(env_id: str, args: Mapping[str, Any] | None = None) -> Environment:
+def add_import_paths(paths: Sequence[str]) -> None:
+    """Put an env's `import_paths` at the front of sys.path (once each), so the modules they hold import by name."""
+    for path in reversed(paths):
+        folder = os.path.abspath(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
+def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = ()) -> Environment:
+    add_import_paths(import_paths)
     return resolve_env_class(env_id)(args)
 
 
@@ -45,13 +57,18 @@ def check_envs(config) -> list[str]:
         where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
     problems = []
     for name, env in where:
-        problems += check_env(name, env.id, env.args)
+        problems += check_env(name, env.id, env.args, env.import_paths)
     return problems
 
 
-def check_env(where: str, env_id: str, args: Mapping[str, Any]) -> list[str]:
-    """The problems of one env entry: a known id and valid `args` (also run on the entries of a config whose
-    schema failed, `trace_rl.runs.loading`)."""
+def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Sequence[str] = ()) -> list[str]:
+    """The problems of one env entry: existing `import_paths`, a known id and valid `args` (also run on the entries
+    of a config whose schema failed, `trace_rl.runs.loading`)."""
+    missing = [path for path in import_paths if not os.path.isdir(path)]
+    if missing:
+        return [f"{where}.import_paths: {missing[0]!r} is not a folder (relative to the working directory "
+                f"{os.getcwd()}); fix the path or run trace-rl from the folder it is relative to"]
+    add_import_paths(import_paths)
     try:
         cls = resolve_env_class(env_id)
         cls.check(validate_args(cls, dict(args)))

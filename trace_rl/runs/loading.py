@@ -75,8 +75,10 @@ def entry_problems(data: Any) -> list[str]:
         envs += [(f"eval.envs.{i}", entry) for i, entry in enumerate(_list(evaluation.get("envs")))]
     problems = []
     for where, entry in envs:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("args", {}), dict):
-            problems += check_env(where, entry["id"], entry.get("args", {}))
+        paths = entry.get("import_paths", []) if isinstance(entry, dict) else None
+        if (isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("args", {}), dict)
+                and isinstance(paths, list) and all(isinstance(path, str) for path in paths)):
+            problems += check_env(where, entry["id"], entry.get("args", {}), paths)
     default = data.get("algorithms", Config.model_fields["algorithms"].get_default(call_default_factory=True))
     for index, entry in enumerate(_list(data.get("env"))):
         if not isinstance(entry, dict):

@@ -1,0 +1,282 @@
+"""`verifiers`: a verifiers v1 environment (a taskset, its agents, its own `vf.Env` if it has one) played through
+the run's own sampler (docs/envs.md#verifiers).
+
+`[env.args]` is a verifiers `EnvConfig` as verifiers' own TOML takes it (`taskset = { id = "my_tasks" }`, an
+`id` pairing an env, the agents' seats), validated by verifiers (`vf.resolve_env_config`). An agent seat that
+names no harness, of a taskset that bundles none, plays on trace-rl's in-process chat harness
+(`trace_rl.verifiers.harness`) in verifiers' subprocess runtime (nothing is started in it); a seat that names one
+runs as verifiers runs it, in its runtime. Every turn the policy takes is sampled by the rollout's `Sampler`
+(`trace_rl.verifiers.client`), so the run's [sampling], weights, LoRA adapter and broadcast apply as for any env.
+
+Each step walks the taskset's tasks epoch by epoch, in an order seeded by (run seed, env index, epoch); a rollout
+plays one episode of its task (`Env.run_slot`) and returns its traces (`trace_rl.verifiers.convert`). An episode
+that failed is a failed rollout, with verifiers' error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from trace_rl.data.trace import Trace
+from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed
+from trace_rl.envs.registry import register_env
+from trace_rl.errors import FatalError, RetryableError
+from trace_rl.models.runtime import Generation
+
+# what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
+RUNTIME_NEEDS = {
+    "docker": ("docker", "/var/run/docker.sock", None), "podman": ("podman", None, None),
+    "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
+    "e2b": (None, None, "E2B_API_KEY"), "modal": (None, None, "MODAL_TOKEN_ID"),
+}
+
+
+class VerifiersArgs(BaseModel):
+    """`[env.args]`: a verifiers `EnvConfig`, checked by verifiers itself (`VerifiersEnv.check`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def verifiers_module():
+    """`verifiers.v1` (the version trace-rl hooks into), or an EnvError naming the extra that installs it."""
+    from trace_rl.verifiers.extra import VerifiersMissingError, require_verifiers
+
+    try:
+        require_verifiers("env 'verifiers'")
+    except VerifiersMissingError as exc:
+        raise EnvError(str(exc)) from None
+    import verifiers.v1 as vf
+
+    return vf
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def env_config(args: dict[str, Any]):
+    """The verifiers EnvConfig of `[env.args]`, with trace-rl's chat harness (and the subprocess runtime) for the
+    seats that name no harness; an EnvError with verifiers' message when it refuses."""
+    vf = verifiers_module()
+    from trace_rl.verifiers.harness import HARNESS_ID
+
+    data = dict(args)
+    taskset = data.get("taskset")
+    taskset_id = taskset.get("id") if isinstance(taskset, dict) else None
+    if not taskset_id:
+        raise EnvError("env 'verifiers': args.taskset.id is missing; name the taskset module, e.g. "
+                       "args.taskset = { id = \"my_tasks\" }")
+    try:
+        config_type = vf.env_config_type(taskset_id, data.get("id") or "")
+        bundled = vf.default_harness_id(taskset_id) != "bash"  # the taskset ships its own harness
+        for name, field in config_type.model_fields.items():
+            if not isinstance(field.default, vf.AgentConfig):
+                continue
+            seat = dict(data.get(name) or {})
+            if "sampling" in seat:
+                raise EnvError(f"env 'verifiers': args.{name}.sampling: the policy samples with the run's [sampling] "
+                               "(or [env.sampling]); move the values there")
+            if "harness" not in seat and field.default.harness is None and not bundled:
+                seat["harness"] = {"id": HARNESS_ID}
+                seat.setdefault("runtime", {"type": "subprocess"})
+                data[name] = seat
+        config = vf.resolve_env_config(data)
+    except EnvError:
+        raise
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise EnvError(f"env 'verifiers': args.{where}: {problem['msg']} (verifiers' EnvConfig)") from None
+    except ModuleNotFoundError as exc:
+        raise EnvError(f"env 'verifiers': args.taskset.id = {taskset_id!r}: {first_line(exc)} Put the folder that "
+                       "holds it in the env's import_paths, or pip install it") from None
+    except Exception as exc:  # noqa: BLE001 - a taskset or env module that fails to import, or refuses
+        raise EnvError(f"env 'verifiers': args.taskset.id = {taskset_id!r}: {type(exc).__name__}: "
+                       f"{first_line(exc)}") from None
+    check_runtimes(config, HARNESS_ID)
+    return config
+
+
+def runtime_lack(kind: str, own_harness: bool) -> str | None:
+    """What this machine lacks to run a harness in a runtime of type `kind`, or None. The subprocess runtime needs
+    nothing for trace-rl's chat harness, and `uv` for verifiers' own (they install their program with it)."""
+    executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
+    if kind == "subprocess" and own_harness:
+        return None
+    if executable and shutil.which(executable) is None:
+        return f"`{executable}` on PATH"
+    if socket and not (os.path.exists(socket) or os.environ.get("DOCKER_HOST")):
+        return f"a running {kind} daemon ({socket})"
+    if key and not os.environ.get(key):
+        return f"{key} set (an account of that sandbox provider)"
+    return None
+
+
+def check_runtimes(config, own_harness: str) -> None:
+    """Every seat's runtime exists on this machine (verifiers' harnesses install and run their program in it)."""
+    vf = verifiers_module()
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    for name, seat in agent_config_fields(config).items():
+        harness = seat.harness.id if seat.harness is not None else vf.default_harness_id(config.taskset.id)
+        lacking = runtime_lack(seat.runtime.type, harness == own_harness)
+        if lacking:
+            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {seat.runtime.type!r} "
+                           f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
+                           f"(args.{name}.runtime) or leave its harness unset for trace-rl's chat harness")
+
+
+class RolloutModel:
+    """The `trace_rl.verifiers.client.TurnSampler` of one rollout, on its Sampler: conversation k's turn t samples
+    with seed derive_seed(derive_seed(rollout seed, k), t), as `Sampler.conversation` seeds trace-rl's own envs.
+    Keeps the first error, so a retryable or fatal sampler error reaches the rollout loop as itself."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.tokenizer = sampler.runtime.tokenizer
+        self.end_of_turn = (sampler.runtime.config.stop_tokens or [None])[0]
+        self.error: BaseException | None = None
+
+    async def generate(self, prompt_ids: list[int], *, conversation: int, turn: int) -> Generation:
+        try:
+            return await self.sampler.generate(prompt_ids, seed=derive_seed(derive_seed(self.sampler.seed,
+                                                                                        conversation), turn))
+        except Exception as exc:
+            self.error = self.error or exc
+            raise
+
+
+class Serving:
+    """verifiers' serving resources (its interception server, shared tool servers) for the rollouts in flight on
+    one event loop: entered by the first, left when the last ends, held by a task of their own."""
+
+    def __init__(self, env):
+        self.env = env
+        self.users = 0
+        self.holder: asyncio.Task | None = None
+        self.ready = asyncio.Event()
+        self.done = asyncio.Event()
+
+    async def hold(self) -> None:
+        try:
+            async with self.env.serving():
+                self.ready.set()
+                await self.done.wait()
+        finally:
+            self.ready.set()
+
+    @contextlib.asynccontextmanager
+    async def __call__(self):
+        if self.holder is None:
+            self.ready, self.done = asyncio.Event(), asyncio.Event()
+            self.holder = asyncio.create_task(self.hold())
+        holder = self.holder
+        self.users += 1
+        try:
+            await self.ready.wait()
+            if holder.done():
+                holder.result()  # it failed to start: raise why
+            yield
+        finally:
+            self.users -= 1
+            if self.users == 0 and self.holder is holder:
+                self.holder = None
+                self.done.set()
+                await asyncio.gather(holder, return_exceptions=True)
+
+
+@register_env
+class VerifiersEnv(Environment):
+    id = "verifiers"
+    Args = VerifiersArgs
+
+    def __init__(self, args=None):
+        super().__init__(args)
+        self.config = env_config(self.args.model_dump())
+        self._env = None
+        self._tasks: list | None = None
+        self._serving: Serving | None = None
+
+    @classmethod
+    def check(cls, args: BaseModel) -> None:
+        env_config(args.model_dump())
+
+    @property
+    def vf_env(self):
+        if self._env is None:
+            vf = verifiers_module()
+            from trace_rl.verifiers.client import install
+
+            install()
+            try:
+                self._env = vf.load_environment(self.config)
+            except Exception as exc:  # noqa: BLE001 - the env's or taskset's own constructor refused
+                raise EnvError(f"env 'verifiers': cannot load {self.config.env_id!r}: {type(exc).__name__}: "
+                               f"{first_line(exc)}") from None
+        return self._env
+
+    @property
+    def tasks(self) -> list:
+        if self._tasks is None:
+            taskset = self.vf_env.taskset
+            if not taskset.bounded:
+                raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} is infinite; bound it in "
+                               "args.taskset (its own options) or use a finite taskset")
+            self._tasks = list(taskset)
+            if not self._tasks:
+                raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} has no tasks")
+        return self._tasks
+
+    def order(self, run_seed: int, env_index: int, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(derive_seed(run_seed, env_index, epoch)).shuffle(order)
+        return order
+
+    def examples_for_step(self, run_seed: int, step: int, env_index: int, count: int) -> list[Example]:
+        """Tasks (step - 1) * count ... step * count - 1 of the epoch-after-epoch stream of the taskset's tasks."""
+        examples, orders = [], {}
+        for position in range((step - 1) * count, step * count):
+            epoch, offset = divmod(position, len(self.tasks))
+            order = orders.setdefault(epoch, self.order(run_seed, env_index, epoch))
+            examples.append(Example(id=f"task{order[offset]}-e{epoch}", data={"task": order[offset]}))
+        return examples
+
+    def examples(self, seed: int, count: int) -> list[Example]:
+        """Up to `count` distinct tasks drawn with `seed`."""
+        picked = random.Random(seed).sample(range(len(self.tasks)), min(count, len(self.tasks)))
+        return [Example(id=f"task{index}", data={"task": index}) for index in picked]
+
+    async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
+        vf = verifiers_module()
+        from trace_rl.verifiers.client import client_config, register, unregister
+        from trace_rl.verifiers.convert import trace_from_vf
+
+        env, task = self.vf_env, self.tasks[example.data["task"]]
+        if self._serving is None:
+            self._serving = Serving(env)
+        key, model = uuid.uuid4().hex, RolloutModel(sampler)
+        sampling = vf.SamplingConfig(temperature=sampler.sampling.temperature, top_p=sampler.sampling.top_p,
+                                     max_tokens=sampler.sampling.max_completion_tokens)
+        context = vf.ModelContext(model=sampler.runtime.config.name, client=client_config(key), sampling=sampling)
+        register(key, model)
+        try:
+            async with self._serving():
+                (slot,) = env.slots(task, 1)
+                episode = await env.run_slot(slot, context)
+        finally:
+            unregister(key)
+        if isinstance(model.error, (FatalError, RetryableError, TimeoutError)):
+            raise model.error
+        if not episode.ok:
+            errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
+            reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
+            raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
+        return [trace_from_vf(trace, env=self.id, example_id=example.id) for trace in episode.traces]

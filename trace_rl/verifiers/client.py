@@ -1,0 +1,172 @@
+"""verifiers' model client on trace-rl's sampler: each turn of a verifiers episode is rendered with the model's chat
+template and sampled by the run's own runtime (in-process vLLM, hf, a vLLM server), token for token.
+
+verifiers (0.4.0, pinned) builds a rollout's client inside its interception server from the rollout's client
+config (`verifiers.v1.interception.server.resolve_client`); a `vf.Client` instance cannot be handed over.
+`install()` wraps that one function: a `TrainClientConfig` carrying the `SAMPLER_HEADER` header gets a
+`SamplerClient` on the sampler registered under the header's value (`register`); every other config is built by
+verifiers as before. The config stays plain verifiers data, so the trace records it as a train client.
+
+Token-exact turns: the first turn (and any turn whose history the template re-renders differently) renders the
+whole prompt; a later turn takes the earlier turns' exact ids from the trace (`PendingTurn`'s bridge anchor: the
+previous prompt and sampled completion) and appends only the footer of the sampled turn, the new messages and the
+generation prompt (`trace_rl.models.render.Renderer.extend`), so no sampled token is ever re-tokenized. Each
+message's token span and the per-token content mask go back to verifiers with the sampled ids and logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from trace_rl.data.trace import Message, ToolCall
+from trace_rl.models.render import Rendered, Renderer
+from trace_rl.models.runtime import Generation
+
+SAMPLER_HEADER = "X-Trace-RL-Sampler"
+SAMPLER_URL = "http://trace-rl.sampler.invalid/v1"  # never called: the sampler samples in this process
+
+
+class TurnSampler(Protocol):
+    """What a rollout's verifiers turns sample with (the env builds it on `trace_rl.envs.base.Sampler`): the
+    model's tokenizer and end-of-turn token, and `generate` of one turn of the `conversation`-th trace that asks
+    (each conversation and turn its own seed)."""
+
+    tokenizer: Any
+    end_of_turn: str | None
+
+    async def generate(self, prompt_ids: list[int], *, conversation: int, turn: int) -> Generation: ...
+
+
+SAMPLERS: dict[str, TurnSampler] = {}
+
+
+def register(key: str, sampler: TurnSampler) -> None:
+    SAMPLERS[key] = sampler
+
+
+def unregister(key: str) -> None:
+    SAMPLERS.pop(key, None)
+
+
+def client_config(key: str):
+    """The verifiers client config of the sampler registered under `key`."""
+    import verifiers.v1 as vf
+
+    return vf.TrainClientConfig(base_url=SAMPLER_URL, api_key_var="TRACE_RL_SAMPLER_KEY",
+                                headers={SAMPLER_HEADER: key})
+
+
+def install() -> None:
+    """Route client configs carrying `SAMPLER_HEADER` to `SamplerClient` (idempotent)."""
+    from verifiers.v1.interception import server
+
+    original = server.resolve_client
+    if getattr(original, "trace_rl_sampler", False):
+        return
+
+    def resolve_client(config):
+        key = getattr(config, "headers", {}).get(SAMPLER_HEADER)
+        return original(config) if key is None else SamplerClient(key)
+
+    resolve_client.trace_rl_sampler = True
+    server.resolve_client = resolve_client
+
+
+def to_message(message: Any) -> Message:
+    """A verifiers message as trace-rl's (text content; tool calls with their JSON arguments parsed)."""
+    from verifiers.v1.types import content_text
+
+    calls = None
+    if getattr(message, "tool_calls", None):
+        calls = [ToolCall(id=c.id, name=c.name, arguments=json.loads(c.arguments or "{}")) for c in message.tool_calls]
+    return Message(role=message.role, content=content_text(message.content) if message.content else "",
+                   tool_call_id=getattr(message, "tool_call_id", None), name=getattr(message, "name", None),
+                   tool_calls=calls)
+
+
+def message_spans(message_index: np.ndarray, count: int, offset: int = 0, first: int = 0) -> list:
+    """Per message of `count`: the (start, end) of the tokens it owns, shifted by `offset`, or None (the messages
+    before `first` and those the template does not show)."""
+    spans: list[tuple[int, int] | None] = [None] * count
+    for k in range(first, count):
+        owned = np.flatnonzero(message_index == k)
+        if owned.size:
+            spans[k] = (offset + int(owned[0]), offset + int(owned[-1]) + 1)
+    return spans
+
+
+class SamplerClient:
+    """A `vf.Client` (duck-typed: verifiers calls `get_response` and `close`) on one registered sampler.
+
+    One client serves one rollout (its config names the rollout's sampler); the agents of an episode share it,
+    each trace its own conversation (numbered in the order their first turns arrive).
+    """
+
+    def __init__(self, key: str):
+        self.key = key
+        self.turns: dict[str, list[int]] = {}  # trace id -> [its conversation number, its turns so far]
+
+    @property
+    def sampler(self) -> TurnSampler:
+        try:
+            return SAMPLERS[self.key]
+        except KeyError:
+            raise RuntimeError(f"no trace-rl sampler {self.key!r} is registered (its rollout ended)") from None
+
+    def renderer(self, tools: list[dict] | None) -> Renderer:
+        return Renderer(self.sampler.tokenizer, tools, end_of_turn=self.sampler.end_of_turn)
+
+    async def get_response(self, dialect, body: dict, sampling, session_id: str | None = None, turn=None,
+                           headers: Mapping[str, str] | None = None):
+        from verifiers.v1.clients.train import serialize_completion, tool_to_wire
+        from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage
+
+        if turn is None:
+            raise RuntimeError("verifiers sent a turn without its graph prefix; trace-rl needs verifiers 0.4.0")
+        sampler = self.sampler
+        renderer = self.renderer([tool_to_wire(tool) for tool in turn.tools] or None)
+        messages = [to_message(m) for m in turn.prompt]
+        prompt_ids, spans, is_content, bridged = self.prompt(renderer, turn, messages)
+        counts = self.turns.setdefault(session_id or "", [len(self.turns), 0])
+        conversation, turns = counts
+        counts[1] += 1
+        generation = await sampler.generate(prompt_ids, conversation=conversation, turn=turns)
+        ids = list(generation.token_ids)
+        ended = bool(ids) and ids[-1] == renderer.end_of_turn_id
+        text = renderer.tokenizer.decode(ids[: len(ids) - ended], skip_special_tokens=False)
+        model = body.get("model", "")
+        response = Response(
+            id=f"trace-rl-{session_id}-{turns}", created=0, model=model,
+            message=AssistantMessage(content=text),
+            finish_reason="stop" if generation.finish_reason == "stop" else "length",
+            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)),
+            tokens=TurnTokens(prompt_ids=prompt_ids, completion_ids=ids,
+                              completion_logprobs=[float(x) for x in generation.logprobs],
+                              message_spans=spans, is_content=is_content, bridged=bridged),
+        )
+        response.raw = serialize_completion(response, model)
+        return response
+
+    def prompt(self, renderer: Renderer, turn, messages: list[Message]) -> tuple[list[int], list, list[bool], bool]:
+        """The turn's prompt ids, each message's span, the per-token content mask, and whether it extends the
+        earlier turns' exact ids."""
+        previous = turn.previous_renderer_token_ids() if turn.tail and turn.tail[-1].role in ("user", "tool") else None
+        if previous is not None:
+            earlier_prompt, earlier_completion = previous
+            ended = earlier_completion[-1] == renderer.end_of_turn_id
+            extension: Rendered | None = renderer.extend(messages, turn.tail_start, ended)
+            if extension is not None:
+                earlier = [*earlier_prompt, *earlier_completion]
+                spans = message_spans(extension.message_index, len(messages), len(earlier), turn.tail_start)
+                return ([*earlier, *extension.token_ids.tolist()], spans,
+                        [False] * len(earlier) + extension.is_content.tolist(), True)
+        rendered = renderer.render(messages, add_generation_prompt=True)
+        return (rendered.token_ids.tolist(), message_spans(rendered.message_index, len(messages)),
+                rendered.is_content.tolist(), False)
+
+    async def close(self) -> None:
+        pass
