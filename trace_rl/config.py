@@ -329,7 +329,11 @@ class TrainerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in steps")
-    micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward")
+    micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward: distinct "
+                                    "positions, a shared prefix counted once")
+    share_prefixes: bool = Field(True, description="pack samples that start with the same tokens (a group's "
+                                 "prompt, a trace's common history) as a prefix tree computing the prefix once; "
+                                 "false: every sample whole (docs/trainer.md)")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
     num_processes: int = Field(1, gt=0, description="torchrun workers; > 1: started once per run and kept up "
