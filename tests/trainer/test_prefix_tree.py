@@ -263,3 +263,24 @@ def test_two_gloo_ranks_sharing_train_the_one_process_unshared_step(make_config)
     a, b = exported(stores["single"], 0), exported(stores["double"], 0)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_three_steps_of_a_run_end_with_the_same_weights_shared_or_not(tmp_path):
+    """The reverse-text demo task, 3 steps on the hf sampler (GRPO groups of 4 sharing their prompts), in process."""
+    from safetensors.torch import load_file
+
+    from tests.flows.conftest import small_config
+    from trace_rl.runs.loading import validate_config
+    from trace_rl.pipeline.session import Session
+    from trace_rl.pipeline.step import run_step
+
+    weights, tokens = {}, {}
+    for share in (True, False):
+        data = small_config(str(tmp_path), f"share-{share}", steps=3)
+        data["trainer"] = {**data["trainer"], "device": "cpu", "share_prefixes": share}
+        session = Session(validate_config(data))
+        tokens[share] = [run_step(session, step)["train"]["metrics"]["tokens"] for step in (1, 2, 3)]
+        weights[share] = load_file(f"{session.storage.path('weights', '000003')}/model.safetensors")
+    assert all(on < off for on, off in zip(tokens[True], tokens[False]))
+    for name, value in weights[False].items():
+        torch.testing.assert_close(weights[True][name], value, atol=1e-5, rtol=0)

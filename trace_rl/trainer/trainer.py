@@ -436,6 +436,8 @@ class Trainer:
         result["loss"] = sum(result[f"loss/{name}"] for name in self.loss_names)
         result.update(
             grad_norm=float(grad_norm), lr=lr, tokens=float(sum(b.num_tokens for b in micro_batches)),
+            sample_tokens=float(sum(b.view_tokens for b in micro_batches)),
+            output_positions=float(sum(len(b.query_source) for b in micro_batches)),
             micro_batches=float(len(micro_batches)), samples=float(len(samples)),
         )
         return result
