@@ -64,6 +64,7 @@ def fast_bfloat16() -> bool:
 REAL = {
     "model": "smollm2-135m", "env": "reverse-text", "examples_per_step": 8, "group_size": 8,
     "max_completion_tokens": 32, "temperature": 1.0, "algorithms": "grpo", "micro_batch_tokens": 4096, "lr": 1e-5,
+    "max_model_len": 128,  # a ~34-token chat prompt + 32 completion tokens; the vLLM KV cache is sized to it
     "dtype": "bfloat16" if fast_bfloat16() else "float32",
 }
 REAL["model"] = os.environ.get("BENCH_REAL_MODEL", REAL["model"])  # tests/bench: the tiny model, for speed
@@ -99,6 +100,7 @@ def workload_config(workload: dict, storage: str, name: str, steps: int):
     return Config(
         name=name, steps=steps, seed=0, storage=storage, model={"name": w["model"], "dtype": w["dtype"]},
         sampling={"max_completion_tokens": w["max_completion_tokens"], "temperature": w["temperature"]},
+        inference={"max_model_len": w["max_model_len"]},
         env=[{"id": w["env"], "batch_size": w["examples_per_step"], "group_size": w["group_size"]}],
         algorithms=[w["algorithms"]],
         trainer={"lr": w["lr"], "micro_batch_tokens": w["micro_batch_tokens"], "warmup_steps": 0,

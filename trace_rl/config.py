@@ -124,7 +124,10 @@ class InferenceConfig(Strict):
         None, description="in-process vLLM engines sleep (level 1: weights to CPU, KV cache freed) while the trainer "
         "runs and wake up for the weight load after it; default: true when they share a CUDA device with the "
         "trainer")
-    cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
+    cpu_kv_cache_gb: float | None = Field(
+        None, gt=0, description="KV cache size on CPU (vLLM CPU backend); none: sized to a step, its rollouts in "
+        "flight (sum of batch_size x group_size, at most max_concurrent) x max_model_len tokens, +25% "
+        "(docs/inference.md)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation (faster start)")
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
     request_timeout_s: float = Field(120.0, gt=0, description="one generate/score call; past it: a retryable error")
