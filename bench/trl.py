@@ -249,7 +249,10 @@ def run_trace_rl(steps: int, side: str, workload: dict) -> None:
                 batch = read_batch(session.storage, step)
                 report(ROW, {
                     "step_seconds": wall, "step_cpu_seconds": cpu, "trainer_seconds": timed["trainer/compute"],
-                    "sample_seconds": timed["sample_rollouts"], "tokens": result["train"]["metrics"]["tokens"],
+                    "sample_seconds": timed["sample_rollouts"],
+                    # every sample's tokens, as TRL counts its non-pad ones; and the distinct positions computed
+                    "tokens": result["train"]["metrics"]["sample_tokens"],
+                    "distinct_positions": result["train"]["metrics"]["tokens"],
                     "completion_tokens": int(sum(s.sampled.sum() for s in batch)),
                     "reward": result["rollouts"]["metrics"][f"rollouts/{workload['env']}/reward_mean"],
                     "timed": timed, "background_write_seconds": checkpoint.WRITER.last_write_seconds,
@@ -393,6 +396,8 @@ def summarize(rows: list[dict], end: dict, loads: list[float]) -> dict:
         "trainer_tokens_per_s": max(r["tokens"] / r["trainer_seconds"] for r in warm),
         "median_trainer_tokens_per_s": statistics.median(r["tokens"] / r["trainer_seconds"] for r in warm),
         "tokens_per_step": sum(r["tokens"] for r in warm) / len(warm),
+        # trace-rl's (a shared prefix once); TRL computes every token it counts
+        "distinct_positions_per_step": sum(r.get("distinct_positions", r["tokens"]) for r in warm) / len(warm),
         "peak_rss_mb": end["peak_rss_mb"],
         "rewards": [r["reward"] for r in rows],
         "final_reward": rows[-1]["reward"],
