@@ -13,7 +13,6 @@ is the trainer's overhead. MFU is model FLOPs (6 x parameters + causal attention
 per token) at the measured tokens/s over the FLOP/s of a large matmul measured here.
 
     python -m bench.trainer
-    python -m bench.trainer --long-prefix    # SmolLM2-135M, samples sharing a 1,024-token prefix, sharing on/off
 """
 
 from __future__ import annotations
@@ -116,7 +115,8 @@ def run(repeats: int = 3) -> dict:
         build_model(model_dir, dtype)
         config = Config(name="bench", storage=os.path.join(tmp, "runs"), env=[{"id": "bench"}],
                         model={"name": model_dir, "dtype": dtype},
-                        trainer={"micro_batch_tokens": MICRO_BATCH_TOKENS, "lr": 1e-5})
+                        # unshared: the bare loop runs the same rows (bench.long_prefix measures sharing)
+                        trainer={"micro_batch_tokens": MICRO_BATCH_TOKENS, "lr": 1e-5, "share_prefixes": False})
         trainer = Trainer(config, RunStorage.of(config))
         trainer_s = best_seconds(lambda: trainer.train_step(0, samples), device, repeats)
         micro_batches = pack(samples, MICRO_BATCH_TOKENS)
@@ -137,101 +137,7 @@ def run(repeats: int = 3) -> dict:
     }
 
 
-# the long-prefix rows: the real model, samples sharing a long prefix, the trainer with share_prefixes on and off
-LONG_PREFIX_MODEL = "smollm2-135m"
-LONG_PREFIX = {"group": (8, 1024, 64), "branches": (2, 1024, 64)}  # samples, shared tokens, own tokens each
-LONG_PREFIX_MICRO_BATCH = 2304  # two whole samples unshared (memory); a whole group shared
-
-
-def long_prefix_workload(case: str, vocab: int, seed: int = 0) -> list[TrainingSample]:
-    """`LONG_PREFIX[case]`: samples of a shared prefix (a prompt, or a trace's history) and their own tokens, rl on
-    their own tokens (sampled at temperature 1)."""
-    count, shared, own = LONG_PREFIX[case]
-    rng = np.random.default_rng(seed)
-    prefix = rng.integers(0, vocab, shared)
-    samples = []
-    for i in range(count):
-        ids = np.concatenate([prefix, rng.integers(0, vocab, own)]).astype(np.int32)
-        completion = np.arange(len(ids)) >= shared
-        samples.append(TrainingSample(
-            trace_id=f"{case}-{i}", branch_index=i, env="bench", input_ids=ids, temperature=1.0, sampled=completion,
-            inference_logprobs=np.where(completion, -10.0, 0.0).astype(np.float32),
-            rl_values=np.where(completion, rng.normal(0, 1, len(ids)), 0).astype(np.float32), rl_mask=completion,
-            ce_values=np.zeros(len(ids), np.float32), ce_mask=np.zeros(len(ids), bool),
-        ))
-    return samples
-
-
-def long_prefix_side(case: str, share: bool, repeats: int = 1) -> dict:
-    """One `train_step` timing of a long-prefix case, in this process (its peak RSS is this configuration's)."""
-    import resource
-
-    from trace_rl.models.hub import resolve_model_path
-
-    model_dir = resolve_model_path(LONG_PREFIX_MODEL)
-    with tempfile.TemporaryDirectory(prefix="trace-rl-bench-") as tmp:
-        config = Config(name="bench", storage=os.path.join(tmp, "runs"), env=[{"id": "bench"}],
-                        model={"name": model_dir, "dtype": "float32"},
-                        trainer={"micro_batch_tokens": LONG_PREFIX_MICRO_BATCH, "lr": 1e-5, "device": "cpu",
-                                 "share_prefixes": share})
-        trainer = Trainer(config, RunStorage.of(config))
-        samples = long_prefix_workload(case, trainer.module.config.vocab_size)
-        metrics = {}
-
-        def step():
-            metrics.update(trainer.train_step(0, samples))
-
-        seconds = best_seconds(step, torch.device("cpu"), repeats)
-        params = sum(p.numel() for p in trainer.module.parameters())
-    return {"case": case, "share_prefixes": share, "seconds": seconds, "parameters": params,
-            "distinct_positions": metrics["tokens"], "sample_tokens": metrics["sample_tokens"],
-            "output_positions": metrics["output_positions"], "micro_batches": metrics["micro_batches"],
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def long_prefix_rows() -> list[dict]:
-    """Every case with sharing on and off, each in a fresh process (peak RSS per configuration), and each step
-    over its floor: the distinct positions' training FLOPs (6 x parameters each) at the float32 matmul rate."""
-    import json
-    import subprocess
-    import sys
-
-    rows = []
-    for case in LONG_PREFIX:
-        for share in (True, False):
-            out = subprocess.run([sys.executable, "-m", "bench.trainer", "--long-prefix-side", case, str(share)],
-                                 capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-    rate = max(matmul_flops_per_s(torch.device("cpu"), torch.float32) for _ in range(2))
-    for row in rows:
-        row["floor_seconds"] = 6 * row["parameters"] * row["distinct_positions"] / rate
-        row["step_over_floor"] = row["seconds"] / row["floor_seconds"]
-        row["matmul_gflops"] = rate / 1e9
-    return rows
-
-
 def main() -> None:
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--long-prefix", action="store_true", help="the long-prefix rows on smollm2-135m instead")
-    parser.add_argument("--long-prefix-side", nargs=2, metavar=("CASE", "SHARE"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.long_prefix_side:
-        case, share = args.long_prefix_side
-        print(json.dumps(long_prefix_side(case, share == "True")))
-        return
-    if args.long_prefix:
-        rows = long_prefix_rows()
-        for row in rows:
-            print(f"{row['case']:<9} share_prefixes={str(row['share_prefixes']):<5} {row['seconds']:7.2f} s/step  "
-                  f"peak RSS {row['peak_rss_mb']:7,.0f} MB  {row['distinct_positions']:6,.0f} distinct positions of "
-                  f"{row['sample_tokens']:6,.0f}  {row['micro_batches']:.0f} micro-batches  "
-                  f"step/floor {row['step_over_floor']:.2f}")
-        print(f"float32 matmul {rows[0]['matmul_gflops']:.1f} GFLOP/s, load average {os.getloadavg()[0]:.2f}")
-        print(json.dumps(rows))
-        return
     r = run()
     print(f"{r['device']} {r['dtype']}, {r['threads']} threads, load average {r['load_average']:.2f}: "
           f"{r['parameters'] / 1e6:.1f}M parameters, {r['tokens']:,} tokens in {r['micro_batches']} micro-batches")
