@@ -231,8 +231,9 @@ def test_a_step_shares_without_changing_loss_metrics_or_gradients(make_config, l
     assert on["micro_batches"] == (1 if micro_batch_tokens == 4096 else 3)
     assert on["tokens"] == distinct_tokens(samples) if micro_batch_tokens == 4096 else on["tokens"] < off["tokens"]
     assert on["samples"] == off["samples"] == len(samples)
+    assert on["sample_tokens"] == off["sample_tokens"] and on["output_positions"] < off["output_positions"]
     for name in off:
-        if name not in ("tokens", "micro_batches"):
+        if name not in ("tokens", "micro_batches", "output_positions"):
             assert on[name] == pytest.approx(off[name], rel=1e-5, abs=1e-6), name
     assert on["loss/ce"] != 0 and (on["loss/kl"] != 0 if "kl" in loss else True)
     assert_gradients_equal(grads_off, grads_on)
