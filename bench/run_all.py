@@ -36,6 +36,7 @@ BENCHMARKS = {  # name: (module, timeout seconds)
     "trl-real": ("bench.trl_real", 3600),
     "overlap": ("bench.overlap", 2400),
     "lora": ("bench.lora", 600),
+    "long-prefix": ("bench.long_prefix", 3600),
 }
 HERE = Path(__file__).parent
 
@@ -356,13 +357,25 @@ def render_lora(r: dict) -> list[str]:
                     f"({q['bytes_ratio']:.0f}x).", ""]
 
 
+def render_long_prefix(r: dict) -> list[str]:
+    from bench.long_prefix import MICRO_BATCH_TOKENS, MODEL
+
+    rows = [[row["case"], "on" if row["share_prefixes"] else "off", row["seconds"], f"{row['peak_rss_mb']:,.0f}",
+             f"{row['distinct_positions']:,.0f} / {row['sample_tokens']:,.0f}", f"{row['output_positions']:,.0f}",
+             f"{row['micro_batches']:.0f}", row["step_over_floor"]] for row in r["rows"]]
+    return [f"{MODEL}, float32, CPU; micro-batches of {MICRO_BATCH_TOKENS:,} distinct positions; one warm-up step, "
+            f"then one timed; float32 matmul {r['matmul_gflops']:.1f} GFLOP/s.", ""] + table(
+        ["case", "share_prefixes", "s/step", "peak RSS MB", "distinct positions / sample tokens", "output rows",
+         "micro-batches", "step / floor"], rows)
+
+
 def render_generic(r: dict) -> list[str]:
     return table(["key", "value"], flat(r))
 
 
 RENDERERS = {"algorithms": render_algorithms, "trainer": render_trainer, "memory": render_memory, "io": render_io,
              "step": render_step, "trl": render_trl, "trl-real": render_trl_real, "overlap": render_overlap,
-             "lora": render_lora}
+             "lora": render_lora, "long-prefix": render_long_prefix}
 
 
 def targets(results: dict) -> list[list]:
@@ -404,6 +417,16 @@ def targets(results: dict) -> list[list]:
                 x = real["ratios"][pair]
                 rows.append([f"peak RSS of all processes / TRL's on SmolLM2-135M ({pair})",
                              f"{x['peak_tree_rss']:.2f}x", "<= 1x", x["peak_tree_rss"] <= 1])
+    if (long_prefix := get("long-prefix")) is not None:
+        from bench.long_prefix import TARGET_OVER_FLOOR, TARGET_SPEEDUP
+
+        for case, x in long_prefix["cases"].items():
+            rows.append([f"trainer step speed-up from sharing a 1,024-token prefix ({case})", f"{x['speedup']:.2f}x",
+                         f">= {TARGET_SPEEDUP:g}x", x["speedup"] >= TARGET_SPEEDUP])
+            rows.append([f"peak RSS shared / unshared ({case})", f"{x['peak_rss_ratio']:.2f}x", "< 1x",
+                         x["peak_rss_ratio"] < 1])
+            rows.append([f"shared trainer step / its floor ({case})", f"{x['shared_over_floor']:.2f}x",
+                         f"<= {TARGET_OVER_FLOOR:g}x", x["shared_over_floor"] <= TARGET_OVER_FLOOR])
     if (trainer := get("trainer")) is not None:
         ratio = trainer["trainer_seconds"] / trainer["bare_seconds"]
         rows.append(["trainer time / bare PyTorch loop", f"{ratio:.2f}x", "<= 1.2x", ratio <= 1.2])

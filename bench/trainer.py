@@ -29,7 +29,7 @@ from trace_rl.data.sample import TrainingSample
 from trace_rl.models.tiny import ARCHITECTURE, build_tokenizer
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.packing import pack
-from trace_rl.trainer.trainer import Trainer, packed_call, resolve_device
+from trace_rl.trainer.trainer import Trainer, resolve_device, row_call
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4}
@@ -90,10 +90,9 @@ def bare_step(model, optimizer, micro_batches, device: torch.device, dtype: torc
     """Forward/backward of each micro-batch under the trainer's autocast (float32 weights, `dtype` compute)."""
     optimizer.zero_grad(set_to_none=True)
     for batch in micro_batches:
-        ids = torch.from_numpy(batch.input_ids).to(device)
-        positions = torch.from_numpy(batch.position_ids).to(device)
+        ids = torch.from_numpy(batch.row_ids).to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(**packed_call(ids, positions)).logits
+            logits = model(**row_call(batch, device)).logits
         torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[1:]).backward()
     optimizer.step()
 
@@ -116,7 +115,8 @@ def run(repeats: int = 3) -> dict:
         build_model(model_dir, dtype)
         config = Config(name="bench", storage=os.path.join(tmp, "runs"), env=[{"id": "bench"}],
                         model={"name": model_dir, "dtype": dtype},
-                        trainer={"micro_batch_tokens": MICRO_BATCH_TOKENS, "lr": 1e-5})
+                        # unshared: the bare loop runs the same rows (bench.long_prefix measures sharing)
+                        trainer={"micro_batch_tokens": MICRO_BATCH_TOKENS, "lr": 1e-5, "share_prefixes": False})
         trainer = Trainer(config, RunStorage.of(config))
         trainer_s = best_seconds(lambda: trainer.train_step(0, samples), device, repeats)
         micro_batches = pack(samples, MICRO_BATCH_TOKENS)

@@ -64,6 +64,7 @@ def fast_bfloat16() -> bool:
 REAL = {
     "model": "smollm2-135m", "env": "reverse-text", "examples_per_step": 8, "group_size": 8,
     "max_completion_tokens": 32, "temperature": 1.0, "algorithms": "grpo", "micro_batch_tokens": 4096, "lr": 1e-5,
+    "max_model_len": 128,  # a ~34-token chat prompt + 32 completion tokens; the vLLM KV cache is sized to it
     "dtype": "bfloat16" if fast_bfloat16() else "float32",
 }
 REAL["model"] = os.environ.get("BENCH_REAL_MODEL", REAL["model"])  # tests/bench: the tiny model, for speed
@@ -99,6 +100,7 @@ def workload_config(workload: dict, storage: str, name: str, steps: int):
     return Config(
         name=name, steps=steps, seed=0, storage=storage, model={"name": w["model"], "dtype": w["dtype"]},
         sampling={"max_completion_tokens": w["max_completion_tokens"], "temperature": w["temperature"]},
+        inference={"max_model_len": w["max_model_len"]},
         env=[{"id": w["env"], "batch_size": w["examples_per_step"], "group_size": w["group_size"]}],
         algorithms=[w["algorithms"]],
         trainer={"lr": w["lr"], "micro_batch_tokens": w["micro_batch_tokens"], "warmup_steps": 0,
@@ -247,7 +249,10 @@ def run_trace_rl(steps: int, side: str, workload: dict) -> None:
                 batch = read_batch(session.storage, step)
                 report(ROW, {
                     "step_seconds": wall, "step_cpu_seconds": cpu, "trainer_seconds": timed["trainer/compute"],
-                    "sample_seconds": timed["sample_rollouts"], "tokens": result["train"]["metrics"]["tokens"],
+                    "sample_seconds": timed["sample_rollouts"],
+                    # every sample's tokens, as TRL counts its non-pad ones; and the distinct positions computed
+                    "tokens": result["train"]["metrics"]["sample_tokens"],
+                    "distinct_positions": result["train"]["metrics"]["tokens"],
                     "completion_tokens": int(sum(s.sampled.sum() for s in batch)),
                     "reward": result["rollouts"]["metrics"][f"rollouts/{workload['env']}/reward_mean"],
                     "timed": timed, "background_write_seconds": checkpoint.WRITER.last_write_seconds,
@@ -391,6 +396,8 @@ def summarize(rows: list[dict], end: dict, loads: list[float]) -> dict:
         "trainer_tokens_per_s": max(r["tokens"] / r["trainer_seconds"] for r in warm),
         "median_trainer_tokens_per_s": statistics.median(r["tokens"] / r["trainer_seconds"] for r in warm),
         "tokens_per_step": sum(r["tokens"] for r in warm) / len(warm),
+        # trace-rl's (a shared prefix once); TRL computes every token it counts
+        "distinct_positions_per_step": sum(r.get("distinct_positions", r["tokens"]) for r in warm) / len(warm),
         "peak_rss_mb": end["peak_rss_mb"],
         "rewards": [r["reward"] for r in rows],
         "final_reward": rows[-1]["reward"],

@@ -19,8 +19,9 @@ checkpoint write is held until that side's next step starts (`TurnGate`), so it 
 as in a run, not another side's. Per side: step seconds and CPU seconds (best and median of steps 2..),
 sampling tokens/s, trainer tokens/s (non-pad tokens), peak RSS of all its processes, the reward of every
 step, and for trace-rl the median seconds of each stage and what a checkpoint costs written synchronously.
-The floor of a step: its training FLOPs (6 x parameters x tokens) at this machine's matmul rate in that
-dtype, plus sampling.
+The floor of a step: its training FLOPs (6 x parameters x the distinct positions the trainer computes, a
+shared prompt once on trace-rl's side) at this machine's matmul rate in that dtype, plus sampling. Trainer
+tokens/s count every sample's tokens on both sides (TRL's non-pad ones).
 
     python -m bench.trl_real [--steps 5]
 """
@@ -57,11 +58,11 @@ def floors(result: dict, n: int, gflops: dict) -> dict:
     for side, s in result["sides"].items():
         if "error" in s:
             continue
-        train_floor = 6 * n * s["tokens_per_step"] / rate
+        train_floor = 6 * n * s.get("distinct_positions_per_step", s["tokens_per_step"]) / rate
         out[side] = {"train_floor_seconds": train_floor, "floor_seconds": train_floor + s["sample_seconds"],
                      "step_over_floor": s["step_seconds"] / (train_floor + s["sample_seconds"]),
                      "trainer_over_train_floor": s["trainer_seconds"] / train_floor,
-                     "trainer_gflops": 6 * n * s["tokens_per_step"] / s["trainer_seconds"] / 1e9}
+                     "trainer_gflops": train_floor * rate / s["trainer_seconds"] / 1e9}
     return out
 
 

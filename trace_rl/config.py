@@ -127,7 +127,10 @@ class InferenceConfig(Strict):
         None, description="in-process vLLM engines sleep (level 1: weights to CPU, KV cache freed) while the trainer "
         "runs and wake up for the weight load after it; default: true when they share a CUDA device with the "
         "trainer")
-    cpu_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (vLLM CPU backend)")
+    cpu_kv_cache_gb: float | None = Field(
+        None, gt=0, description="KV cache size on CPU (vLLM CPU backend); none: sized to a step, its rollouts in "
+        "flight (sum of batch_size x group_size, at most max_concurrent) x max_model_len tokens, +25% "
+        "(docs/inference.md)")
     enforce_eager: bool = Field(True, description="vLLM without CUDA graphs / compilation (faster start)")
     max_concurrent: int = Field(64, gt=0, description="rollouts in flight at once")
     request_timeout_s: float = Field(120.0, gt=0, description="one generate/score call; past it: a retryable error")
@@ -348,7 +351,11 @@ class TrainerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in steps")
-    micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward")
+    micro_batch_tokens: int = Field(4096, gt=0, description="packed tokens per forward/backward: distinct "
+                                    "positions, a shared prefix counted once")
+    share_prefixes: bool = Field(True, description="pack samples that start with the same tokens (a group's "
+                                 "prompt, a trace's common history) as a prefix tree computing the prefix once; "
+                                 "false: every sample whole (docs/trainer.md)")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     truncate: bool = Field(False, description="cut samples longer than micro_batch_tokens instead of failing")
     num_processes: int = Field(1, gt=0, description="torchrun workers; > 1: started once per run and kept up "

@@ -27,12 +27,26 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
 def test_cpu_engine_prefills_whole_prompts_within_a_budget_of_at_least_max_model_len():
-    config = RuntimeConfig(key="policy", name="m", backend="vllm", max_model_len=2048)
+    config = RuntimeConfig(key="policy", name="m", backend="vllm", max_model_len=2048, cpu_kv_cache_gb=0.25)
     cpu = engine_arguments(config, is_cpu=True)
     assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] == 4096
     assert "enable_chunked_prefill" not in engine_arguments(config, is_cpu=False)  # GPUs rewind seeds fine
     with pytest.raises(ValueError, match=r"max_num_batched_tokens = 1024 is below inference.max_model_len = 2048"):
         engine_arguments(config.model_copy(update={"max_num_batched_tokens": 1024}), is_cpu=True)
+
+
+def test_the_cpu_kv_cache_is_sized_to_the_steps_sequences_unless_set():
+    """demo.toml: 8 examples x 8 rollouts in flight, 1,024 tokens each, 1 KB of keys and values per token of the
+    tiny model (2 layers x 2 KV heads x 32 dims x float32, keys and values), +25%: 80 MB instead of a fixed 1 GB."""
+    from trace_rl.pipeline.colocation import runtime_configs
+
+    policy = runtime_configs(load_config(os.path.join(CONFIGS, "demo.toml")), cuda_available=False)["policy"]
+    assert policy.step_sequences == 64 and policy.cpu_kv_cache_gb is None
+    assert engine_arguments(policy, is_cpu=True)["kv_cache_memory_bytes"] == int(1.25 * 64 * 1024 * 1024)
+    fewer = policy.model_copy(update={"step_sequences": 8, "max_model_len": 256})
+    assert engine_arguments(fewer, is_cpu=True)["kv_cache_memory_bytes"] == int(1.25 * 8 * 256 * 1024)
+    fixed = policy.model_copy(update={"cpu_kv_cache_gb": 0.5})
+    assert engine_arguments(fixed, is_cpu=True)["kv_cache_memory_bytes"] == 2**29
 
 
 def test_seeded_requests_past_the_step_budget_sample_the_same_tokens_as_alone(vllm_runtime):

@@ -13,6 +13,7 @@ from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.tables import write_batch
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.lifecycle import train_one_step
+from trace_rl.trainer.packing import pack
 from trace_rl.trainer.resume import TrainerError
 from trace_rl.trainer.trainer import NonFiniteError, Trainer, check_finite
 
@@ -35,7 +36,8 @@ def test_step_trains_and_reports_metrics(make_config):
     rl = sum(int(s.rl_mask[1:].sum()) for s in samples)
     ce = sum(int(s.ce_mask[1:].sum()) for s in samples)
     assert metrics["tokens/rl"] == rl and metrics["tokens/ce"] == ce and rl > 0 and ce > 0
-    assert metrics["tokens"] == sum(len(s) for s in samples)
+    assert metrics["sample_tokens"] == sum(len(s) for s in samples) == metrics["tokens"]  # make_batch(7) shares nothing
+    assert metrics["output_positions"] == rl + ce
     assert metrics["micro_batches"] > 1  # accumulation over several micro-batches
     assert metrics["loss"] == pytest.approx(metrics["loss/rl"] + metrics["loss/ce"])
     assert metrics["grad_norm"] > 0 and metrics["entropy"] > 5.0
@@ -148,7 +150,7 @@ def test_gloo_workers_match_one_process(make_config, num_processes, parallel, ac
     store2 = storage_for(double)
     write_batches(store2, 1)
     metrics = train_one_step(double, store2, 0)
-    assert metrics["tokens"] == sum(len(s) for s in make_batch(100))
+    assert metrics["tokens"] == sum(b.num_tokens for b in pack(make_batch(100), 48, share_prefixes=True))
     assert abs(metrics["loss"] - expected["loss"]) <= 1e-6
 
     a, b = exported(store1, 0), exported(store2, 0)

@@ -52,6 +52,28 @@ LIVENESS_INTERVAL_S = 0.5
 EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")
 
 
+KV_HEADROOM = 1.25  # over the step's sequences at full length: vLLM's block rounding, a few requests beyond them
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    """Keys and values of one token over all layers: `2 · layers · kv_heads · head_dim · bytes(dtype)`."""
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(model_path)
+    text = getattr(model, "text_config", None) or model
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * {"float32": 4}.get(dtype, 2)
+
+
+def kv_cache_bytes(config: RuntimeConfig) -> int:
+    """What a step needs: its sequences in flight, each up to `max_model_len` tokens, with `KV_HEADROOM`."""
+    tokens = max(config.step_sequences, 1) * config.max_model_len
+    per_token = kv_bytes_per_token(resolve_model_path(config.name, config.revision), config.dtype)
+    return int(KV_HEADROOM * tokens * per_token)
+
+
 def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
     """The `vllm.LLM` arguments for a runtime config on this platform (see the module docstring for CPU)."""
     arguments: dict[str, Any] = {
@@ -71,7 +93,8 @@ def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
         arguments.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(config.lora.rank), max_loras=1)
     if is_cpu:
         # an explicit KV cache size; `gpu_memory_utilization` would reserve that fraction of all RAM
-        arguments["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gb * 2**30)
+        arguments["kv_cache_memory_bytes"] = (kv_cache_bytes(config) if config.cpu_kv_cache_gb is None
+                                              else int(config.cpu_kv_cache_gb * 2**30))
         arguments["enable_chunked_prefill"] = False
         budget = arguments.setdefault("max_num_batched_tokens", max(config.max_model_len, 4096))
         if budget < config.max_model_len:

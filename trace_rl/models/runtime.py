@@ -42,7 +42,8 @@ class RuntimeConfig(BaseModel):
     max_model_len: int = 1024
     max_num_batched_tokens: int | None = None
     seed: int = 0
-    cpu_kv_cache_gb: float = 1.0
+    cpu_kv_cache_gb: float | None = None  # None: sized to `step_sequences` x `max_model_len` (vllm_engine)
+    step_sequences: int = 64  # sequences a step keeps in the engine at once (its rollouts in flight)
     gpu_memory_utilization: float = 0.5  # this engine's share of the GPU (trace_rl.pipeline.colocation.memory_shares)
     sleep_mode: bool = False  # start vLLM with sleep mode: it sleeps while a colocated trainer runs (GPU only)
     enforce_eager: bool = True

@@ -141,6 +141,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
         "max_model_len": inference.max_model_len,
         "max_num_batched_tokens": inference.max_num_batched_tokens,
         "cpu_kv_cache_gb": inference.cpu_kv_cache_gb,
+        "step_sequences": min(sum(env.batch_size * env.group_size for env in config.env), inference.max_concurrent),
         "gpu_memory_utilization": inference.gpu_memory_utilization,
         "enforce_eager": inference.enforce_eager,
         "request_timeout_s": inference.request_timeout_s,

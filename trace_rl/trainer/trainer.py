@@ -39,7 +39,7 @@ from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
-from trace_rl.trainer.varlen import PACKED_ATTENTION, varlen_arguments
+from trace_rl.trainer.varlen import PACKED_ATTENTION
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -105,16 +105,24 @@ def head_logprobs(
     return logits_to_logprobs(logits, targets, temperature)
 
 
-def packed_call(ids: torch.Tensor, positions: torch.Tensor) -> dict:
-    """The model-call arguments of one packed row: per-sample position ids and sample bounds, no dense mask.
+def row_call(batch: MicroBatch, device: torch.device) -> dict:
+    """The model-call arguments of one packed row: its tokens, position ids and segments (`row_layout`, read by
+    `PACKED_ATTENTION`), no dense mask."""
+    return {"input_ids": torch.from_numpy(batch.row_ids).to(device)[None],
+            "position_ids": torch.from_numpy(batch.row_positions).to(device)[None], "attention_mask": None,
+            "use_cache": False, "row_layout": batch.layout}
 
-    A `PACKED_ATTENTION` (or flash-attention) model attends within each sample from the bounds; other
-    attention implementations of transformers build the block-diagonal mask from the position ids."""
-    return {"input_ids": ids[None], "position_ids": positions[None], "attention_mask": None, "use_cache": False,
-            **varlen_arguments(positions)}
+
+def check_attention(model: torch.nn.Module, batch: MicroBatch) -> None:
+    """A row with shared prefixes needs `PACKED_ATTENTION`: another attention cannot read the segments' contexts.
+    (A row of whole samples side by side works with any: transformers builds the block mask from the position ids.)"""
+    attention = unwrapped(model).config._attn_implementation
+    if batch.layout.shares and attention != PACKED_ATTENTION:
+        raise ValueError(f"a micro-batch with shared prefixes needs the {PACKED_ATTENTION!r} attention; the model "
+                         f"uses {attention!r} (pack with share_prefixes=False for it)")
 
 
-def final_hidden_states(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def final_hidden_states(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> torch.Tensor:
     """The decoder body's output (T, hidden) of one packed row, taken by a forward hook during the model's call.
 
     The model is called as a whole, through any DDP/FSDP wrapper (so their forward hooks
@@ -131,56 +139,63 @@ def final_hidden_states(model: torch.nn.Module, ids: torch.Tensor, positions: to
     try:
         extra = {}
         if "logits_to_keep" in inspect.signature(hf_model.forward).parameters:
-            extra["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=ids.device)
-        model(**packed_call(ids, positions), **extra)
+            extra["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=device)
+        model(**row_call(batch, device), **extra)
     finally:
         hook.remove()
     return captured[-1][0]
 
 
+def rows_logprobs(hf_model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                  temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_logprobs` of the hidden states at `rows`."""
+    return head_logprobs(hf_model, hidden.index_select(0, rows), targets, temperature)
+
+
 def token_logprobs(
     model: torch.nn.Module, batch: MicroBatch, device: torch.device, chunk_size: int | str | None = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch.
+    """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch, in its samples' view.
 
-    Position t predicts token t+1; its logits are divided by `batch.temperature[t+1]`: the
-    sample's temperature on a sampled token, 1 on any other (prompt, observation). A
-    sample's first token gets 0.
+    The output layer runs on the batch's queries only: query q takes the logits at row position
+    `query_source[q]` divided by `query_temperature[q]` (the sample's temperature on a sampled
+    token, 1 on any other: prompt, observation) at `query_target[q]`. Each view token gets its
+    query's values (`view_query`); a token without one (a sample's first, or one no loss reads)
+    gets 0.
 
-    The output layer and log-softmax run over `chunk_size` positions at a time (`"auto"`:
+    The output layer and log-softmax run over `chunk_size` queries at a time (`"auto"`:
     `chunk_positions(vocabulary)`) on the body's hidden states, each chunk recomputed in
     backward instead of kept, so only one chunk's full-vocabulary tensors exist at a time.
     `chunk_size=None` takes the model's full logits instead (the same numbers within float
     rounding; for comparison only: it keeps (tokens x vocabulary) float32 tensors for backward).
     """
-    ids = torch.from_numpy(batch.input_ids).to(device)
-    positions = torch.from_numpy(batch.position_ids).to(device)
-    temperature = torch.from_numpy(batch.temperature).to(device)
-    targets, target_temperature = ids[1:], temperature[1:]
+    check_attention(model, batch)
+    source = torch.from_numpy(batch.query_source).to(device)
+    targets = torch.from_numpy(batch.query_target).to(device)
+    temperature = torch.from_numpy(batch.query_temperature).to(device)
     if chunk_size is None:
-        logits = model(**packed_call(ids, positions)).logits
-        lp, entropy = logits_to_logprobs(logits[0, :-1], targets, target_temperature)
+        logits = model(**row_call(batch, device)).logits[0]
+        lp, entropy = logits_to_logprobs(logits[source], targets, temperature)
     else:
-        hidden = final_hidden_states(model, ids, positions)[:-1]
+        hidden = final_hidden_states(model, batch, device)
         hf_model = unwrapped(model)
         if chunk_size == "auto":
             chunk_size = chunk_positions(hf_model.get_output_embeddings().weight.shape[0])
         parts = []
-        # a 1-token row (a rank without work) has no target: one empty chunk keeps its backward in the graph
+        # a row without queries (a rank without work) still runs one empty chunk: its backward stays in the graph
         for start in range(0, max(len(targets), 1), chunk_size):
-            chunk = (hidden[start:start + chunk_size], targets[start:start + chunk_size],
-                     target_temperature[start:start + chunk_size])
+            chunk = (hidden, source[start:start + chunk_size], targets[start:start + chunk_size],
+                     temperature[start:start + chunk_size])
             if torch.is_grad_enabled() and hidden.requires_grad:
                 parts.append(recompute_in_backward(
-                    head_logprobs, hf_model, *chunk, use_reentrant=False, preserve_rng_state=False))
+                    rows_logprobs, hf_model, *chunk, use_reentrant=False, preserve_rng_state=False))
             else:
-                parts.append(head_logprobs(hf_model, *chunk))
+                parts.append(rows_logprobs(hf_model, *chunk))
         lp, entropy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    first = positions == 0
+    # index 0 is the 0 of tokens without a query; a token read by several samples' views adds their gradients
+    at = torch.from_numpy(batch.view_query).to(device) + 1
     zero = lp.new_zeros(1)
-    lp = torch.where(first, 0.0, torch.cat([zero, lp]))
-    entropy = torch.where(first, 0.0, torch.cat([zero, entropy]))
-    return lp, entropy
+    return torch.cat([zero, lp])[at], torch.cat([zero, entropy])[at]
 
 
 def sequences_with(batch: MicroBatch, mask: np.ndarray) -> int:
@@ -367,12 +382,12 @@ class Trainer:
         if batch.rl_mask.any():
             raise ValueError(f"step {step}: [trainer.loss.kl] needs the reference's logprobs, but the batch has no "
                              "ref_logprobs column (written without [trainer.loss.kl]: write the batch again)")
-        return torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
+        return torch.zeros(batch.view_tokens, dtype=torch.float32, device=self.device)
 
     def train_step(self, step: int, samples: list[TrainingSample]) -> dict[str, float]:
         """Pack the samples, accumulate the gradient over this rank's micro-batches, clip, and step."""
         t = self.config.trainer
-        micro_batches = pack(samples, t.micro_batch_tokens, t.truncate)
+        micro_batches = pack(samples, t.micro_batch_tokens, t.truncate, t.share_prefixes)
         mine = assign_to_ranks(micro_batches, self.world_size)[self.rank]
         counts = self._all_reduce(
             torch.tensor(
@@ -421,6 +436,8 @@ class Trainer:
         result["loss"] = sum(result[f"loss/{name}"] for name in self.loss_names)
         result.update(
             grad_norm=float(grad_norm), lr=lr, tokens=float(sum(b.num_tokens for b in micro_batches)),
+            sample_tokens=float(sum(b.view_tokens for b in micro_batches)),
+            output_positions=float(sum(len(b.query_source) for b in micro_batches)),
             micro_batches=float(len(micro_batches)), samples=float(len(samples)),
         )
         return result

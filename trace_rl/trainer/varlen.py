@@ -1,24 +1,51 @@
-"""Variable-length attention over a packed row: each sample attends only to its own earlier tokens.
+"""Attention over a packed row of segments: each token sees its segment's context and its own segment's earlier tokens.
 
-A packed micro-batch concatenates samples; instead of one dense (T x T) block-diagonal mask, which
-costs attention over every pair of the row's tokens, the row's sample boundaries travel with the model
-call as `cu_seq_lens_q`/`cu_seq_lens_k` (cumulative lengths, the flash-attention varlen convention) and
+A packed micro-batch is one row of segments (`RowLayout`). A segment is a run of tokens that
+continues a prefix stored earlier in the same row (its *context*: the token ranges of its shared
+ancestors, in order), or starts from nothing. Instead of one dense (T x T) mask over the row,
+each segment s with queries q[s] and context c(s) runs
 
-    out[s] = softmax(q[s] k[s]^T * scale + causal) v[s]    for each sample s,
+    out[s] = softmax(q[s] [k[c(s)]; k[s]]^T * scale + mask_s) [v[c(s)]; v[s]]
 
-costs sum_s L_s^2 instead of T^2. `PACKED_ATTENTION` ("packed_sdpa") runs it as one causal
-`scaled_dot_product_attention` per sample (flash/efficient kernels on CUDA, the fused CPU kernel on
-CPU); transformers' `flash_attention_2` reads the same arguments for its varlen kernel.
+where `mask_s` lets every query see the whole context and is causal on the segment's own keys. A
+segment without context is plain causal attention; a row of samples that share nothing is then one
+causal attention per sample, sum_s L_s^2 over the samples instead of T^2 over the row.
+`PACKED_ATTENTION` ("packed_sdpa") runs each segment as one `scaled_dot_product_attention` (the
+fused CPU kernel on CPU; on CUDA the memory-efficient kernel, which takes the mask).
 """
 
 from __future__ import annotations
-
-from itertools import pairwise
 
 import torch
 from transformers import AttentionInterface
 
 PACKED_ATTENTION = "packed_sdpa"
+
+
+class RowLayout:
+    """The segments of a packed row: `(start, end, context)` each, `context` the (start, end) ranges of the row
+    the segment's tokens attend to before their own, all earlier in the row."""
+
+    def __init__(self, segments: list[tuple[int, int, tuple[tuple[int, int], ...]]]):
+        self.segments = segments
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    @property
+    def shares(self) -> bool:
+        """Whether any segment continues a stored prefix (the row is then no longer samples side by side)."""
+        return any(context for _, _, context in self.segments)
+
+    def mask(self, index: int, device: torch.device) -> torch.Tensor:
+        """Segment `index`'s boolean mask (own tokens x (context + own tokens)): all context, causal on its own."""
+        key = (index, device)
+        if key not in self._masks:
+            start, end, context = self.segments[index]
+            own = end - start
+            seen = sum(b - a for a, b in context)
+            mask = torch.ones(own, seen + own, dtype=torch.bool, device=device)
+            mask[:, seen:] = torch.ones(own, own, dtype=torch.bool, device=device).tril()
+            self._masks[key] = mask
+        return self._masks[key]
 
 
 def packed_sdpa_attention(
@@ -29,32 +56,32 @@ def packed_sdpa_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
+    row_layout: RowLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), causal within each sample."""
+    """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), per segment of
+    `row_layout` (None: the row is one causal sequence)."""
     if query.shape[0] != 1 or attention_mask is not None:
         raise ValueError(f"{PACKED_ATTENTION} takes one packed row (batch 1) and no attention mask; got batch "
                          f"{query.shape[0]}{' and a mask' if attention_mask is not None else ''}")
-    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    segments = [(0, query.shape[2], ())] if row_layout is None else row_layout.segments
     gqa = query.shape[1] != key.shape[1]
-    parts = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
-        )
-        for start, end in pairwise(bounds)
-    ]
+    parts = []
+    for index, (start, end, context) in enumerate(segments):
+        if not context:
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
+            ))
+            continue
+        ranges = [*context, (start, end)]
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end],
+            torch.cat([key[:, :, a:b] for a, b in ranges], dim=2),
+            torch.cat([value[:, :, a:b] for a, b in ranges], dim=2),
+            attn_mask=row_layout.mask(index, query.device), dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+        ))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
-
-
-def varlen_arguments(position_ids: torch.Tensor) -> dict:
-    """The model-call arguments naming the samples of a packed row from its per-sample position ids (0 starts one)."""
-    starts = torch.nonzero(position_ids == 0).flatten()
-    cu_seq_lens = torch.cat([starts, starts.new_tensor([len(position_ids)])]).to(torch.int32)
-    longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
-            "max_length_k": longest}
