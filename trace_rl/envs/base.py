@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import importlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,6 +32,19 @@ def derive_seed(*parts: int | str) -> int:
     """A stable 31-bit seed from any parts (the same parts give the same seed in every process)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+def epoch_stream(step: int, count: int, size: int, order: Callable[[int], list[int]]) -> list[tuple[int, int]]:
+    """(epoch, item) of positions (step - 1) * count ... step * count - 1 of a stream that walks `size` items epoch
+    after epoch, each epoch in the order `order(epoch)` gives (a permutation of range(size))."""
+    orders: dict[int, list[int]] = {}
+    stream = []
+    for position in range((step - 1) * count, step * count):
+        epoch, offset = divmod(position, size)
+        if epoch not in orders:
+            orders[epoch] = order(epoch)
+        stream.append((epoch, orders[epoch][offset]))
+    return stream
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_rl.data.trace import Message, Trace
-from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed
+from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed, epoch_stream
 from trace_rl.envs.registry import register_env
 from trace_rl.envs.rewards import load_reward
 
@@ -204,18 +204,12 @@ class Dataset(Environment):
 
     def examples_for_step(self, run_seed: int, step: int, env_index: int, count: int) -> list[Example]:
         """Rows (step - 1) * count ... step * count - 1 of the epoch-after-epoch stream of rows."""
-        examples, orders = [], {}
-        for position in range((step - 1) * count, step * count):
-            epoch, offset = divmod(position, len(self.rows))
-            if self.args.epochs is not None and epoch >= self.args.epochs:
-                raise EnvError(
-                    f"dataset {self.args.source}: {self.args.epochs} epoch(s) of {len(self.rows)} rows are used up at "
-                    f"step {step} ({count} examples a step); raise args.epochs or lower `steps`")
-            if epoch not in orders:
-                orders[epoch] = self.order(run_seed, env_index, epoch)
-            row = orders[epoch][offset]
-            examples.append(Example(id=f"{self.args.split}-{row + 1}-e{epoch}", data={"row": row}))
-        return examples
+        stream = epoch_stream(step, count, len(self.rows), lambda epoch: self.order(run_seed, env_index, epoch))
+        if stream and self.args.epochs is not None and stream[-1][0] >= self.args.epochs:
+            raise EnvError(
+                f"dataset {self.args.source}: {self.args.epochs} epoch(s) of {len(self.rows)} rows are used up at "
+                f"step {step} ({count} examples a step); raise args.epochs or lower `steps`")
+        return [Example(id=f"{self.args.split}-{row + 1}-e{epoch}", data={"row": row}) for epoch, row in stream]
 
     def examples(self, seed: int, count: int) -> list[Example]:
         return self.examples_for_step(seed, 1, 0, count)

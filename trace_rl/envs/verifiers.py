@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trace_rl.data.trace import Trace
-from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed
+from trace_rl.envs.base import EnvError, Environment, Example, Sampler, derive_seed, epoch_stream
 from trace_rl.envs.registry import register_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models.runtime import Generation
@@ -242,12 +242,8 @@ class VerifiersEnv(Environment):
 
     def examples_for_step(self, run_seed: int, step: int, env_index: int, count: int) -> list[Example]:
         """Tasks (step - 1) * count ... step * count - 1 of the epoch-after-epoch stream of the taskset's tasks."""
-        examples, orders = [], {}
-        for position in range((step - 1) * count, step * count):
-            epoch, offset = divmod(position, len(self.tasks))
-            order = orders.setdefault(epoch, self.order(run_seed, env_index, epoch))
-            examples.append(Example(id=f"task{order[offset]}-e{epoch}", data={"task": order[offset]}))
-        return examples
+        stream = epoch_stream(step, count, len(self.tasks), lambda epoch: self.order(run_seed, env_index, epoch))
+        return [Example(id=f"task{task}-e{epoch}", data={"task": task}) for epoch, task in stream]
 
     def examples(self, seed: int, count: int) -> list[Example]:
         """Up to `count` distinct tasks drawn with `seed`."""
