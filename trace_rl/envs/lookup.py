@@ -21,6 +21,7 @@ import trace_rl.envs.reverse_text  # noqa: F401
 import trace_rl.envs.verifiers  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS
+from trace_rl.envs.verifiers_server import VerifiersServerEnv
 
 
 def resolve_env_class(env_id: str) -> type[Environment]:
@@ -44,8 +45,12 @@ def add_import_paths(paths: Sequence[str]) -> None:
             sys.path.insert(0, folder)
 
 
-def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = ()) -> Environment:
+def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = (),
+             verifiers_server: str | None = None) -> Environment:
+    """The env; with `verifiers_server` (an `EnvConfig.verifiers_server`) the verifiers env played on it."""
     add_import_paths(import_paths)
+    if verifiers_server is not None:
+        return VerifiersServerEnv(args, verifiers_server)
     return resolve_env_class(env_id)(args)
 
 

@@ -223,10 +223,14 @@ class VerifiersEnv(Environment):
                                f"{first_line(exc)}") from None
         return self._env
 
+    def taskset(self):
+        """The verifiers taskset the tasks come from: the loaded env's."""
+        return self.vf_env.taskset
+
     @property
     def tasks(self) -> list:
         if self._tasks is None:
-            taskset = self.vf_env.taskset
+            taskset = self.taskset()
             if not taskset.bounded:
                 raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} is infinite; bound it in "
                                "args.taskset (its own options) or use a finite taskset")
@@ -257,7 +261,6 @@ class VerifiersEnv(Environment):
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         vf = verifiers_module()
         from trace_rl.verifiers.client import client_config, register, unregister
-        from trace_rl.verifiers.convert import trace_from_vf
 
         env, task = self.vf_env, self.tasks[example.data["task"]]
         if self._serving is None:
@@ -275,8 +278,16 @@ class VerifiersEnv(Environment):
             unregister(key)
         if isinstance(model.error, (FatalError, RetryableError, TimeoutError)):
             raise model.error
-        if not episode.ok:
-            errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
-            reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
-            raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
-        return [trace_from_vf(trace, env=self.id, example_id=example.id) for trace in episode.traces]
+        return episode_traces(episode, self.id, example)
+
+
+def episode_traces(episode, env_id: str, example: Example) -> list[Trace]:
+    """The trace-rl traces of a verifiers episode (played here or on an env server); an EnvError with verifiers'
+    first error when it failed."""
+    from trace_rl.verifiers.convert import trace_from_vf
+
+    if not episode.ok:
+        errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
+        reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
+        raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
+    return [trace_from_vf(trace, env=env_id, example_id=example.id) for trace in episode.traces]
