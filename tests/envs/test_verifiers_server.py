@@ -119,3 +119,14 @@ def test_a_tcp_server_is_refused_off_verifiers_or_without_a_vllm_server(tmp_path
     assert "only env id 'verifiers' plays on" in problem(other)
     other["env"][0]["server"] = "ftp://x"
     assert "http:// or https://, a verifiers env server over tcp://HOST:PORT" in problem(other)
+
+
+def test_the_env_server_command_refuses_an_env_without_a_verifiers_server(tmp_path, capsys):
+    from flows.cli import main
+
+    path = tmp_path / "in-process.toml"
+    path.write_text(config_to_toml(validate_config(verifiers_run(str(tmp_path), "vf-in-process", "addition_tasks"))))
+    assert main(["verifiers-env-server", str(path), "--env", "0"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"error: --env 0: env.0 of {path} is not a verifiers env with a server = \"tcp://HOST:PORT\"; "
+                    "name one that is")
