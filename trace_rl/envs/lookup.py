@@ -62,20 +62,21 @@ def check_envs(config) -> list[str]:
         where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
     problems = []
     for name, env in where:
-        problems += check_env(name, env.id, env.args, env.import_paths)
+        problems += check_env(name, env.id, env.args, env.import_paths, env.verifiers_server)
     return problems
 
 
-def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Sequence[str] = ()) -> list[str]:
+def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Sequence[str] = (),
+              verifiers_server: str | None = None) -> list[str]:
     """The problems of one env entry: existing `import_paths`, a known id and valid `args` (also run on the entries
-    of a config whose schema failed, `trace_rl.runs.loading`)."""
+    of a config whose schema failed, `trace_rl.runs.loading`); with `verifiers_server`, as the env it plays."""
     missing = [path for path in import_paths if not os.path.isdir(path)]
     if missing:
         return [f"{where}.import_paths: {missing[0]!r} is not a folder (relative to the working directory "
                 f"{os.getcwd()}); fix the path or run trace-rl from the folder it is relative to"]
     add_import_paths(import_paths)
     try:
-        cls = resolve_env_class(env_id)
+        cls = VerifiersServerEnv if verifiers_server is not None else resolve_env_class(env_id)
         cls.check(validate_args(cls, dict(args)))
     except EnvError as exc:
         return [f"{where}: {exc}"]

@@ -62,9 +62,10 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def env_config(args: dict[str, Any]):
+def env_config(args: dict[str, Any], runtimes: bool = True):
     """The verifiers EnvConfig of `[env.args]`, with trace-rl's chat harness (and the subprocess runtime) for the
-    seats that name no harness; an EnvError with verifiers' message when it refuses."""
+    seats that name no harness; an EnvError with verifiers' message when it refuses. `runtimes`: also check that
+    this machine has every seat's runtime (it plays the episodes)."""
     vf = verifiers_module()
     from trace_rl.verifiers.harness import HARNESS_ID
 
@@ -101,7 +102,8 @@ def env_config(args: dict[str, Any]):
     except Exception as exc:  # noqa: BLE001 - a taskset or env module that fails to import, or refuses
         raise EnvError(f"env 'verifiers': args.taskset.id = {taskset_id!r}: {type(exc).__name__}: "
                        f"{first_line(exc)}") from None
-    check_runtimes(config, HARNESS_ID)
+    if runtimes:
+        check_runtimes(config, HARNESS_ID)
     return config
 
 
@@ -197,17 +199,18 @@ class Serving:
 class VerifiersEnv(Environment):
     id = "verifiers"
     Args = VerifiersArgs
+    plays_here = True  # the episodes play in this process, in the runtimes of this machine
 
     def __init__(self, args=None):
         super().__init__(args)
-        self.config = env_config(self.args.model_dump())
+        self.config = env_config(self.args.model_dump(), self.plays_here)
         self._env = None
         self._tasks: list | None = None
         self._serving: Serving | None = None
 
     @classmethod
     def check(cls, args: BaseModel) -> None:
-        env_config(args.model_dump())
+        env_config(args.model_dump(), cls.plays_here)
 
     @property
     def vf_env(self):

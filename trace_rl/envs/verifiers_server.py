@@ -28,7 +28,10 @@ API_KEY_VAR = "VLLM_API_KEY"  # the variable verifiers' client reads the vLLM se
 
 
 class VerifiersServerEnv(VerifiersEnv):
-    """A `VerifiersEnv` whose episodes a verifiers env server at `server` plays."""
+    """A `VerifiersEnv` whose episodes a verifiers env server at `server` plays (in the runtimes of its machine,
+    which this one need not have)."""
+
+    plays_here = False
 
     def __init__(self, args: Mapping[str, Any] | None, server: str):
         super().__init__(args)
