@@ -246,6 +246,20 @@ def cmd_env_server(args) -> int:
     return 0
 
 
+def cmd_verifiers_env_server(args) -> int:
+    from trace_rl.envs.verifiers_serve import serve
+
+    config = load_config(args.config, args.overrides, on_this_machine=True)
+    envs = config.env if args.env < len(config.env) else []
+    if not envs or not envs[args.env].verifiers_server:
+        raise RefusedError(f"--env {args.env}: env.{args.env} of {args.config} is not a verifiers env with a "
+                           "server = \"tcp://HOST:PORT\"; name one that is")
+    env = envs[args.env]
+    print(f"serving env.{args.env} ({env.args.get('taskset')}) at {env.verifiers_server}", flush=True)
+    serve(env.args, env.verifiers_server, env.import_paths)
+    return 0
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with its errors in one line, as every other refusal of the command line (not the usage first)."""
 
@@ -350,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--rate-limit", type=float, default=100.0,
                         help="requests per second per token (429 beyond; bursts of 2 s worth; 0 = no limit)")
     server.set_defaults(func=cmd_env_server)
+
+    vf_server = sub.add_parser("verifiers-env-server", help="serve a run's verifiers env on a verifiers env server, "
+                                                             "at its server = \"tcp://HOST:PORT\" (docs/remote.md)")
+    _add_config_args(vf_server)
+    vf_server.add_argument("--env", type=int, default=0, help="which [[env]] of the config (0-based)")
+    vf_server.set_defaults(func=cmd_verifiers_env_server)
     return parser
 
 

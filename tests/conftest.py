@@ -82,7 +82,8 @@ def prefect_api(tmp_path_factory):
 
 def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
     """A real OpenAI-compatible vLLM server on 127.0.0.1:`port` with trace-rl's weight-reload extension and LoRA
-    adapters of rank <= LORA_RANK loadable at run time, in its own process group (killpg stops its engine too);
+    adapters of rank <= LORA_RANK loadable at run time, and the token-in/token-out `/inference/v1/generate` that
+    verifiers env servers sample from (--enable-scale-out), in its own process group (killpg stops its engine too);
     returns once it listens."""
     from trace_rl.inference.vllm_worker import EXTENSION
 
@@ -91,7 +92,7 @@ def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
          "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
          "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION,
-         "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1"],
+         "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1", "--enable-scale-out"],
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

@@ -158,6 +158,9 @@ class SamplingConfig(Strict):
         return stop
 
 
+VERIFIERS_SERVER_SCHEME = "tcp://"  # a verifiers env server (verifiers.v1.serve: ZMQ)
+
+
 class EnvConfig(Strict):
     """One `[[env]]` entry."""
 
@@ -166,7 +169,9 @@ class EnvConfig(Strict):
     group_size: int = Field(8, gt=0, description="rollouts per example")
     algorithms: list[AlgorithmSpec] | None = Field(None, description="replaces the top-level list for this env")
     args: dict[str, Any] = Field(default_factory=dict, description="the environment's own options")
-    server: str | None = Field(None, description="URL of a remote env server for env-owned algorithms")
+    server: str | None = Field(
+        None, description="http(s)://: trace-rl's env server, for env-owned algorithms (docs/remote.md); "
+        "tcp://HOST:PORT (id 'verifiers' only): a verifiers env server that plays the env's episodes")
     import_paths: list[str] = Field(
         default_factory=list, description="folders (relative to the working directory) put on sys.path before the "
         "env loads, where the modules it names live (e.g. a verifiers taskset module)")
@@ -191,13 +196,27 @@ class EnvConfig(Strict):
                              "uniform); raise group_size")
         return self
 
-    @field_validator("server")
-    @classmethod
-    def _http_server(cls, server: str | None) -> str | None:
-        if server is not None and not server.startswith(("http://", "https://")):
-            raise ValueError(f"{server!r}: trace-rl's env server is reached over http:// or https:// (a verifiers "
-                             "env server, tcp://, is not supported yet: run the verifiers env in-process)")
-        return server
+    @model_validator(mode="after")
+    def _server_scheme(self) -> EnvConfig:
+        if self.server is None or self.server.startswith(("http://", "https://")):
+            return self
+        if not self.server.startswith(VERIFIERS_SERVER_SCHEME):
+            raise ValueError(f"server = {self.server!r}: trace-rl's env server is reached over http:// or https://, "
+                             "a verifiers env server over tcp://HOST:PORT")
+        if self.id != "verifiers":
+            raise ValueError(f"server = {self.server!r}: a tcp:// server is a verifiers env server, which only env "
+                             "id 'verifiers' plays on; use trace-rl's env server (http://) for env-owned algorithms")
+        return self
+
+    @property
+    def algorithm_server(self) -> str | None:
+        """trace-rl's env server (http), where the env's env-owned algorithms run, or None."""
+        return None if self.verifiers_server else self.server
+
+    @property
+    def verifiers_server(self) -> str | None:
+        """The verifiers env server (tcp) that plays the env's episodes, or None: they play in-process."""
+        return self.server if self.server and self.server.startswith(VERIFIERS_SERVER_SCHEME) else None
 
 
 # the [trainer.loss] keys each policy reads; the others are refused with that policy (docs/trainer.md)
@@ -566,6 +585,20 @@ class Config(Strict):
                 raise ValueError(f"actor: {self.actor!r} is not a model; use one of: {known}")
             if not self.models[self.actor].tokens:
                 raise ValueError(f"actor: models.{self.actor} must set tokens = true to sample rollouts")
+        return self
+
+    @model_validator(mode="after")
+    def _check_verifiers_servers(self) -> Config:
+        """A verifiers env server samples the policy itself, from the actor's vLLM server."""
+        envs = [(f"env.{i}", e) for i, e in enumerate(self.env)]
+        envs += [(f"eval.envs.{i}", e) for i, e in enumerate(self.eval.envs)] if self.eval is not None else []
+        served = [where for where, env in envs if env.verifiers_server]
+        urls = self.inference.base_url if self.actor == POLICY else self.models[self.actor].base_url
+        if served and not urls:
+            key = "inference.base_url" if self.actor == POLICY else f"models.{self.actor}.base_url"
+            raise ValueError(f"{served[0]}.server: a verifiers env server samples the actor itself, from a vLLM "
+                             f"server it reaches; set {key} to one (vllm serve --enable-scale-out), or play the "
+                             "env in-process (remove server)")
         return self
 
     @model_validator(mode="after")

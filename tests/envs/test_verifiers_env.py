@@ -104,8 +104,6 @@ def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
     lacking = problem({"taskset": {"id": "addition_tasks"},
                        "agent": {"harness": {"id": "null"}, "runtime": {"type": "docker"}}})
     assert "'docker' runtime" in lacking and "this machine lacks it" in lacking
-    assert "a verifiers env server, tcp://, is not supported yet" in problem({"taskset": {"id": "addition_tasks"}},
-                                                                               server="tcp://127.0.0.1:5000")
     assert "import_paths: 'no/such/folder'" in problem({"taskset": {"id": "addition_tasks"}},
                                                          import_paths=["no/such/folder"])
 

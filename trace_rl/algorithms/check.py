@@ -16,7 +16,7 @@ def check_algorithms(config: Config) -> list[str]:
     for index, env in enumerate(config.env):
         where = f"env.{index}.algorithms" if env.algorithms is not None else "algorithms"
         for algo in config.algorithms_for(env):
-            problems += check_algorithm(where, algo, env.id, env.server, config)
+            problems += check_algorithm(where, algo, env.id, env.algorithm_server, config)
     return list(dict.fromkeys(problems))
 
 

@@ -21,6 +21,7 @@ import trace_rl.envs.reverse_text  # noqa: F401
 import trace_rl.envs.verifiers  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS
+from trace_rl.envs.verifiers_server import VerifiersServerEnv
 
 
 def resolve_env_class(env_id: str) -> type[Environment]:
@@ -44,8 +45,12 @@ def add_import_paths(paths: Sequence[str]) -> None:
             sys.path.insert(0, folder)
 
 
-def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = ()) -> Environment:
+def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = (),
+             verifiers_server: str | None = None) -> Environment:
+    """The env; with `verifiers_server` (an `EnvConfig.verifiers_server`) the verifiers env played on it."""
     add_import_paths(import_paths)
+    if verifiers_server is not None:
+        return VerifiersServerEnv(args, verifiers_server)
     return resolve_env_class(env_id)(args)
 
 
@@ -57,20 +62,21 @@ def check_envs(config) -> list[str]:
         where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
     problems = []
     for name, env in where:
-        problems += check_env(name, env.id, env.args, env.import_paths)
+        problems += check_env(name, env.id, env.args, env.import_paths, env.verifiers_server)
     return problems
 
 
-def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Sequence[str] = ()) -> list[str]:
+def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Sequence[str] = (),
+              verifiers_server: str | None = None) -> list[str]:
     """The problems of one env entry: existing `import_paths`, a known id and valid `args` (also run on the entries
-    of a config whose schema failed, `trace_rl.runs.loading`)."""
+    of a config whose schema failed, `trace_rl.runs.loading`); with `verifiers_server`, as the env it plays."""
     missing = [path for path in import_paths if not os.path.isdir(path)]
     if missing:
         return [f"{where}.import_paths: {missing[0]!r} is not a folder (relative to the working directory "
                 f"{os.getcwd()}); fix the path or run trace-rl from the folder it is relative to"]
     add_import_paths(import_paths)
     try:
-        cls = resolve_env_class(env_id)
+        cls = VerifiersServerEnv if verifiers_server is not None else resolve_env_class(env_id)
         cls.check(validate_args(cls, dict(args)))
     except EnvError as exc:
         return [f"{where}: {exc}"]

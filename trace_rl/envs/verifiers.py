@@ -62,9 +62,10 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def env_config(args: dict[str, Any]):
+def env_config(args: dict[str, Any], runtimes: bool = True):
     """The verifiers EnvConfig of `[env.args]`, with trace-rl's chat harness (and the subprocess runtime) for the
-    seats that name no harness; an EnvError with verifiers' message when it refuses."""
+    seats that name no harness; an EnvError with verifiers' message when it refuses. `runtimes`: also check that
+    this machine has every seat's runtime (it plays the episodes)."""
     vf = verifiers_module()
     from trace_rl.verifiers.harness import HARNESS_ID
 
@@ -101,7 +102,8 @@ def env_config(args: dict[str, Any]):
     except Exception as exc:  # noqa: BLE001 - a taskset or env module that fails to import, or refuses
         raise EnvError(f"env 'verifiers': args.taskset.id = {taskset_id!r}: {type(exc).__name__}: "
                        f"{first_line(exc)}") from None
-    check_runtimes(config, HARNESS_ID)
+    if runtimes:
+        check_runtimes(config, HARNESS_ID)
     return config
 
 
@@ -197,17 +199,18 @@ class Serving:
 class VerifiersEnv(Environment):
     id = "verifiers"
     Args = VerifiersArgs
+    plays_here = True  # the episodes play in this process, in the runtimes of this machine
 
     def __init__(self, args=None):
         super().__init__(args)
-        self.config = env_config(self.args.model_dump())
+        self.config = env_config(self.args.model_dump(), self.plays_here)
         self._env = None
         self._tasks: list | None = None
         self._serving: Serving | None = None
 
     @classmethod
     def check(cls, args: BaseModel) -> None:
-        env_config(args.model_dump())
+        env_config(args.model_dump(), cls.plays_here)
 
     @property
     def vf_env(self):
@@ -223,10 +226,14 @@ class VerifiersEnv(Environment):
                                f"{first_line(exc)}") from None
         return self._env
 
+    def taskset(self):
+        """The verifiers taskset the tasks come from: the loaded env's."""
+        return self.vf_env.taskset
+
     @property
     def tasks(self) -> list:
         if self._tasks is None:
-            taskset = self.vf_env.taskset
+            taskset = self.taskset()
             if not taskset.bounded:
                 raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} is infinite; bound it in "
                                "args.taskset (its own options) or use a finite taskset")
@@ -253,7 +260,6 @@ class VerifiersEnv(Environment):
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         vf = verifiers_module()
         from trace_rl.verifiers.client import client_config, register, unregister
-        from trace_rl.verifiers.convert import trace_from_vf
 
         env, task = self.vf_env, self.tasks[example.data["task"]]
         if self._serving is None:
@@ -271,8 +277,16 @@ class VerifiersEnv(Environment):
             unregister(key)
         if isinstance(model.error, (FatalError, RetryableError, TimeoutError)):
             raise model.error
-        if not episode.ok:
-            errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
-            reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
-            raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
-        return [trace_from_vf(trace, env=self.id, example_id=example.id) for trace in episode.traces]
+        return episode_traces(episode, self.id, example)
+
+
+def episode_traces(episode, env_id: str, example: Example) -> list[Trace]:
+    """The trace-rl traces of a verifiers episode (played here or on an env server); an EnvError with verifiers'
+    first error when it failed."""
+    from trace_rl.verifiers.convert import trace_from_vf
+
+    if not episode.ok:
+        errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
+        reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
+        raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
+    return [trace_from_vf(trace, env=env_id, example_id=example.id) for trace in episode.traces]

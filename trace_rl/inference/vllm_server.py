@@ -76,6 +76,12 @@ class VLLMServerRuntime:
             self._served_names[base_url] = response.json()["data"][0]["id"]
         return self._served_names[base_url]
 
+    async def next_endpoint(self) -> tuple[str, str]:
+        """The next server (round-robin) and the model its requests name (the LoRA adapter when one is loaded), for
+        a client that samples from it itself (a verifiers env server)."""
+        base_url = self.base_urls[next(self._next_endpoint)]
+        return base_url, self.adapter or await self._served_name(base_url)
+
     async def _complete(self, base_url: str, adapter: bool, **fields) -> dict:
         model = self.adapter if adapter and self.adapter else await self._served_name(base_url)
         payload = {"model": model, **fields}

@@ -32,7 +32,7 @@ def models_in_use(config: Config) -> list[str]:
 
     used = [config.actor]
     for env in config.env:
-        if env.server is not None:
+        if env.algorithm_server is not None:
             continue  # env-owned algorithms run on the env server, with the runtimes it builds
         for algo in config.algorithms_for(env):
             cls = resolve_algorithm_class(algo.id)

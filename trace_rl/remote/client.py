@@ -46,9 +46,9 @@ class NeedsWholeStep(Exception):
 
 def remote_server_for(env: EnvConfig, algorithm: AlgorithmConfig) -> str | None:
     """The env's server URL when `algorithm` is neither builtin nor importable here, else None (run it locally)."""
-    if env.server is None or resolve_algorithm_class(algorithm.id) is not None:
+    if env.algorithm_server is None or resolve_algorithm_class(algorithm.id) is not None:
         return None
-    return env.server
+    return env.algorithm_server
 
 
 def auth_headers(options: RemoteConfig) -> dict[str, str]:
