@@ -111,3 +111,15 @@ def test_imports_lets_a_registered_env_be_named_by_its_short_id(tmp_path, monkey
         "imports.0: module 'no_such_module_here' was not found on sys.path; run trace-rl from the directory that "
         "holds no_such_module_here/ (or no_such_module_here.py), add that directory to PYTHONPATH, or pip install "
         "the package"]
+
+
+def test_importing_one_module_of_trace_rl_imports_none_of_the_public_names_modules():
+    """The reaper (`python -m trace_rl.machine.reaper`) must start in well under a second: the top of the package
+    imports its public names' modules only when a name is used."""
+    program = ("import sys, trace_rl.machine.reaper\n"
+               "loaded = sorted(m for m in sys.modules if m.startswith('trace_rl'))\n"
+               "assert loaded == ['trace_rl', 'trace_rl.machine', 'trace_rl.machine.processes', "
+               "'trace_rl.machine.reaper'], loaded\n"
+               "assert not {'numpy', 'pydantic', 'pyarrow'} & set(sys.modules)")
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

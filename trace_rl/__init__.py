@@ -2,29 +2,41 @@
 
 The names an extension or a notebook imports live here, at the top: `from trace_rl import Trace, Algorithm,
 register, Environment, register_env`. Where they are defined may move; these names do not (removing one is a
-decision: tests/test_public_api.py pins `__all__`).
+decision: tests/test_public_api.py pins `__all__`). Each is imported on first use (PEP 562), so that a process
+that runs one module (`python -m trace_rl.machine.reaper`, a trainer worker) imports none of the others.
 """
 
-from trace_rl.algorithms import Algorithm, AlgorithmConfig, AlgorithmError, load_algorithm, register
-from trace_rl.algorithms.runner import load_algorithms, run_algorithm, run_algorithms
-from trace_rl.data.channel import Channel
-from trace_rl.data.sample import TrainingSample
-from trace_rl.data.trace import Branch, Message, Trace, group_traces
-from trace_rl.data.validate import DimensionError, validate_channels
-from trace_rl.envs import EnvError, Environment, Example, Sampler, load_env, register_env
-from trace_rl.pipeline.channels import aggregate, channel_stats
-from trace_rl.tables import read_channels, write_channels
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
+PUBLIC = {
     # the data model
-    "Branch", "Channel", "Message", "Trace", "TrainingSample", "group_traces",
+    **dict.fromkeys(["Branch", "Message", "Trace", "group_traces"], "trace_rl.data.trace"),
+    "Channel": "trace_rl.data.channel",
+    "TrainingSample": "trace_rl.data.sample",
     # algorithms
-    "Algorithm", "AlgorithmConfig", "AlgorithmError", "load_algorithm", "load_algorithms", "register",
-    "run_algorithm", "run_algorithms",
+    **dict.fromkeys(["Algorithm", "AlgorithmConfig", "AlgorithmError", "load_algorithm", "register"],
+                    "trace_rl.algorithms"),
+    **dict.fromkeys(["load_algorithms", "run_algorithm", "run_algorithms"], "trace_rl.algorithms.runner"),
     # environments
-    "EnvError", "Environment", "Example", "Sampler", "load_env", "register_env",
+    **dict.fromkeys(["EnvError", "Environment", "Example", "Sampler", "load_env", "register_env"], "trace_rl.envs"),
     # channels: checked against their branches, aggregated, stored
-    "DimensionError", "aggregate", "channel_stats", "read_channels", "validate_channels", "write_channels",
-]
+    **dict.fromkeys(["DimensionError", "validate_channels"], "trace_rl.data.validate"),
+    **dict.fromkeys(["aggregate", "channel_stats"], "trace_rl.pipeline.channels"),
+    **dict.fromkeys(["read_channels", "write_channels"], "trace_rl.tables"),
+}
+
+__all__ = sorted(PUBLIC)
+
+
+def __getattr__(name: str) -> object:
+    if name not in PUBLIC:
+        raise AttributeError(f"module 'trace_rl' has no attribute {name!r}")
+    value = getattr(import_module(PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *PUBLIC})
