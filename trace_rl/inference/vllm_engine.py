@@ -28,6 +28,7 @@ import contextlib
 import copy
 import itertools
 import json
+import logging
 import os
 import queue
 import re
@@ -51,6 +52,8 @@ from trace_rl.models.runtime import NEUTRAL_SAMPLING, Generation, RuntimeConfig,
 LIVENESS_INTERVAL_S = 0.5
 EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")
 
+
+logger = logging.getLogger(__name__)
 
 KV_HEADROOM = 1.25  # over the step's sequences at full length: vLLM's block rounding, a few requests beyond them
 
@@ -191,10 +194,14 @@ class EngineWorker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        arguments = engine_arguments(self._config, current_platform.is_cpu())
+        if "kv_cache_memory_bytes" in arguments:
+            sized = "set by inference.cpu_kv_cache_gb" if self._config.cpu_kv_cache_gb is not None else (
+                f"sized to a step: {self._config.step_sequences} sequences x {self._config.max_model_len} tokens")
+            logger.info("%s: KV cache %.0f MB (%s)", self.name, arguments["kv_cache_memory_bytes"] / 2**20, sized)
         try:
             with self._log.capturing():
-                return LLM(model=self.model_path, use_tqdm_on_load=verbose(),
-                           **engine_arguments(self._config, current_platform.is_cpu()))
+                return LLM(model=self.model_path, use_tqdm_on_load=verbose(), **arguments)
         except Exception as exc:
             raise EngineDeadError(f"{self.name} failed to start: {self._describe(exc)}") from exc
 
