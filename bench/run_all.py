@@ -402,7 +402,7 @@ def targets(results: dict) -> list[list]:
                      pair["step_speedup"] >= 1])
     if (real := get("trl-real")) is not None:
         wanted = {"trace-rl vllm vs trl hf": ("step speed-up on SmolLM2-135M, trace-rl on vLLM over TRL", 1.5),
-                  "hf": ("step speed-up on SmolLM2-135M, both transformers generate", 1.0)}
+                  "hf": ("step speed-up on SmolLM2-135M, both transformers generate", 1.5)}
         for pair, (label, target) in wanted.items():
             if pair in real["ratios"]:
                 x = real["ratios"][pair]
@@ -411,12 +411,12 @@ def targets(results: dict) -> list[list]:
         if "hf" in real["ratios"]:
             x = real["ratios"]["hf"]
             rows.append(["trainer tokens/s over TRL's on SmolLM2-135M", f"{x['trainer_tokens_per_s']:.2f}x "
-                         f"(median {x['median_trainer_tokens_per_s']:.2f}x)", ">= 1.2x", x["trainer_tokens_per_s"] >= 1.2])
-        for pair in ("trace-rl vllm vs trl hf", "hf"):
+                         f"(median {x['median_trainer_tokens_per_s']:.2f}x)", ">= 2x", x["trainer_tokens_per_s"] >= 2])
+        for pair, most in (("trace-rl vllm vs trl hf", 1.15), ("hf", 1.0)):  # issue 37: the engine's own memory
             if pair in real["ratios"]:
                 x = real["ratios"][pair]
                 rows.append([f"peak RSS of all processes / TRL's on SmolLM2-135M ({pair})",
-                             f"{x['peak_tree_rss']:.2f}x", "<= 1x", x["peak_tree_rss"] <= 1])
+                             f"{x['peak_tree_rss']:.2f}x", f"<= {most:g}x", x["peak_tree_rss"] <= most])
     if (long_prefix := get("long-prefix")) is not None:
         from bench.long_prefix import TARGET_OVER_FLOOR, TARGET_SPEEDUP
 
