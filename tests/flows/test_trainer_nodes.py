@@ -4,9 +4,9 @@ rank each, the hf sampler): node 1 started before the run exists; both started t
 that lost no node.
 
 The run that lost no node has the same topology, not `num_processes = 2` on one node: torchrun gives each rank one
-thread when it starts several on a node and leaves the machine's default (2 here) when it starts one, and a sum
-split over two threads rounds differently (tests/trainer/test_nodes.py compares nodes with one process within
-float tolerance)."""
+thread when it starts several on a node and leaves the machine's default (2 here) when it starts one, and a
+reduction split over two threads may round differently (tests/trainer/test_nodes.py compares nodes with one process
+within float tolerance)."""
 
 from __future__ import annotations
 
