@@ -1,5 +1,7 @@
 """A quiet terminal by default: progress, warnings and errors; `--verbose` shows every log line.
 
+- `--verbose` shows the library's own INFO lines too (`trace_rl.*` loggers: a model converted, a run resumed,
+  the KV cache an engine took), which the root logger's WARNING level would drop;
 - the lines trace-rl prints itself (the progress line of each step) go to the flow run's log too, marked
   `extra=PRINTED`: Prefect's console skips them, so the terminal shows each once, also with `--verbose`;
 
@@ -48,6 +50,7 @@ def by_default(verbose_flag: bool) -> None:
     """Set up this process (and the ones it starts) for a quiet terminal, or for every line with --verbose."""
     if verbose_flag:
         os.environ[VERBOSE_ENV] = "1"
+        logging.getLogger("trace_rl").setLevel(logging.INFO)  # the library's INFO lines (the root logger's WARNING)
         return
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     warnings.filterwarnings("ignore", message=REDUCE_OP, category=FutureWarning)

@@ -5,6 +5,7 @@ the run resumes once the cause is fixed."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -67,7 +68,10 @@ def test_a_failed_step_ends_in_one_line_and_the_run_resumes_once_its_cause_is_fi
 
     verbose = cli("train", config, "--resume", "--verbose")
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+    resuming = re.compile(r"INFO +\| trace_rl\.runs\.start - resuming \S+ at step 1\b")  # the library's INFO lines
+    assert resuming.search(verbose.stderr), verbose.stderr[-3000:]
 
     resumed = cli("train", config, "--resume", "--set", "trainer.micro_batch_tokens=512")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not resuming.search(resumed.stderr)  # not without --verbose
     assert (tmp_path / "runs" / "too-long" / "weights" / "000002" / "STABLE").exists()

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.build import build_runtime
-from trace_rl.inference.vllm_engine import engine_arguments
+from trace_rl.inference.vllm_engine import engine_arguments, kv_cache_note
 from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.runs.loading import load_config
 
@@ -47,6 +47,10 @@ def test_the_cpu_kv_cache_is_sized_to_the_steps_sequences_unless_set():
     assert engine_arguments(fewer, is_cpu=True)["kv_cache_memory_bytes"] == int(1.25 * 8 * 256 * 1024)
     fixed = policy.model_copy(update={"cpu_kv_cache_gb": 0.5})
     assert engine_arguments(fixed, is_cpu=True)["kv_cache_memory_bytes"] == 2**29
+    # what the engine's log says when it starts (shown with --verbose)
+    assert kv_cache_note(policy, int(1.25 * 64 * 1024 * 1024)) == (
+        "KV cache 80 MB (sized to a step: 64 sequences x 1024 tokens)")
+    assert kv_cache_note(fixed, 2**29) == "KV cache 512 MB (set by inference.cpu_kv_cache_gb)"
 
 
 def test_seeded_requests_past_the_step_budget_sample_the_same_tokens_as_alone(vllm_runtime):

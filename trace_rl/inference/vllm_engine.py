@@ -77,6 +77,13 @@ def kv_cache_bytes(config: RuntimeConfig) -> int:
     return int(KV_HEADROOM * tokens * per_token)
 
 
+def kv_cache_note(config: RuntimeConfig, kv_bytes: int) -> str:
+    """What a CPU engine's log says of its KV cache: the size and where it came from."""
+    origin = ("set by inference.cpu_kv_cache_gb" if config.cpu_kv_cache_gb is not None else
+              f"sized to a step: {config.step_sequences} sequences x {config.max_model_len} tokens")
+    return f"KV cache {kv_bytes / 2**20:.0f} MB ({origin})"
+
+
 def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
     """The `vllm.LLM` arguments for a runtime config on this platform (see the module docstring for CPU)."""
     arguments: dict[str, Any] = {
@@ -196,9 +203,7 @@ class EngineWorker:
 
         arguments = engine_arguments(self._config, current_platform.is_cpu())
         if "kv_cache_memory_bytes" in arguments:
-            sized = "set by inference.cpu_kv_cache_gb" if self._config.cpu_kv_cache_gb is not None else (
-                f"sized to a step: {self._config.step_sequences} sequences x {self._config.max_model_len} tokens")
-            logger.info("%s: KV cache %.0f MB (%s)", self.name, arguments["kv_cache_memory_bytes"] / 2**20, sized)
+            logger.info("%s: %s", self.name, kv_cache_note(self._config, arguments["kv_cache_memory_bytes"]))
         try:
             with self._log.capturing():
                 return LLM(model=self.model_path, use_tqdm_on_load=verbose(), **arguments)
