@@ -119,6 +119,12 @@ def test_branches_of_branches_attend_to_each_ancestor():
     assert contexts[0] == () and all(c and c[0][0] == 0 for c in contexts[1:])
     # the deepest branch shares 24 tokens with its neighbour, 20 of them the history
     assert max(sum(b - a for a, b in c) for c in contexts) == 24
+    # attention cuts the row once, at every segment and context boundary (a context may end inside a segment)
+    cuts = tree.layout.cuts(len(tree.row_ids))
+    bounds = {x for start, end, context in tree.layout.segments for x in (start, end, *sum(context, ()))}
+    assert cuts == sorted(bounds | {0}) and cuts[-1] == len(tree.row_ids)
+    assert any(b not in {s for s, _, _ in tree.layout.segments} | {len(tree.row_ids)}
+               for c in contexts for _, b in c)
 
 
 def test_samples_sharing_nothing_sit_side_by_side():
