@@ -9,8 +9,9 @@ micro-batches for the group); shared, the whole group in one (1,536 positions).
 Per case and side, in a fresh process (its peak RSS is that configuration's): one warm-up `Trainer.train_step`,
 then one timed; the distinct positions, the samples' tokens and the output layer's rows (`output_positions`).
 The floor of a step: the distinct positions' training FLOPs (6 x parameters each) at the best float32
-2048^2-matmul rate measured here. Targets (issue 37): the shared step >= 4x faster than unshared at a lower
-peak RSS; the shared step within 1.3x of its floor.
+2048^2-matmul rate measured in the same process just before and after its timed step (this machine's rate
+swings up to 2x between minutes, so one rate for all rows would mismeasure some of them). Targets (issue
+37): the shared step >= 4x faster than unshared at a lower peak RSS; the shared step within 1.3x of its floor.
 
     python -m bench.long_prefix
 """
@@ -55,6 +56,7 @@ def workload(case: str, vocab: int, seed: int = 0) -> list:
 
 def side(case: str, share: bool) -> dict:
     """A warm-up and a timed `train_step` of one case, in this process."""
+    from bench.trl import matmul_gflops
     from trace_rl.config import Config
     from trace_rl.models.hub import resolve_model_path
     from trace_rl.storage import RunStorage
@@ -68,28 +70,27 @@ def side(case: str, share: bool) -> dict:
         trainer = Trainer(config, RunStorage.of(config))
         samples = workload(case, trainer.module.config.vocab_size)
         trainer.train_step(0, samples)
+        rate_before = matmul_gflops("float32")
         start = time.perf_counter()
         metrics = trainer.train_step(1, samples)
         seconds = time.perf_counter() - start
+        gflops = max(rate_before, matmul_gflops("float32"))
         parameters = sum(p.numel() for p in trainer.module.parameters())
     return {"case": case, "share_prefixes": share, "seconds": seconds, "parameters": parameters,
             "distinct_positions": metrics["tokens"], "sample_tokens": metrics["sample_tokens"],
             "output_positions": metrics["output_positions"], "micro_batches": metrics["micro_batches"],
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "matmul_gflops": gflops, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def run() -> dict:
-    from bench.trl import matmul_gflops
-
     rows = []
     for case in CASES:
         for share in (True, False):
             out = subprocess.run([sys.executable, "-m", "bench.long_prefix", "--side", case, str(share)],
                                  capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
-    gflops = max(matmul_gflops("float32") for _ in range(2))
     for row in rows:
-        row["floor_seconds"] = 6 * row["parameters"] * row["distinct_positions"] / (gflops * 1e9)
+        row["floor_seconds"] = 6 * row["parameters"] * row["distinct_positions"] / (row["matmul_gflops"] * 1e9)
         row["step_over_floor"] = row["seconds"] / row["floor_seconds"]
     cases = {}
     for case in CASES:
@@ -97,7 +98,7 @@ def run() -> dict:
         cases[case] = {"speedup": off["seconds"] / on["seconds"],
                        "peak_rss_ratio": on["peak_rss_mb"] / off["peak_rss_mb"],
                        "shared_over_floor": on["step_over_floor"]}
-    return {"rows": rows, "cases": cases, "matmul_gflops": gflops, "load_average": os.getloadavg()[0]}
+    return {"rows": rows, "cases": cases, "load_average": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -109,7 +110,8 @@ def main() -> None:
     for row in result["rows"]:
         print(f"{row['case']:<9} share_prefixes={str(row['share_prefixes']):<5} {row['seconds']:7.2f} s/step  "
               f"peak RSS {row['peak_rss_mb']:7,.0f} MB  {row['distinct_positions']:6,.0f} distinct positions of "
-              f"{row['sample_tokens']:6,.0f}  step/floor {row['step_over_floor']:.2f}")
+              f"{row['sample_tokens']:6,.0f}  matmul {row['matmul_gflops']:.0f} GFLOP/s  "
+              f"step/floor {row['step_over_floor']:.2f}")
     print(json.dumps(result))
 
 
