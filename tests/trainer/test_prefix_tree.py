@@ -16,7 +16,7 @@ from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.packing import collate, pack
 from trace_rl.trainer.prefix_tree import build_tree
 from trace_rl.trainer.trainer import Trainer, token_logprobs
-from trace_rl.trainer.varlen import PACKED_ATTENTION
+from trace_rl.trainer.varlen import PACKED_ATTENTION, packed_sdpa_attention
 
 
 def sample_of(rng: np.random.Generator, name: str, ids: np.ndarray, temperature: float, sampled: np.ndarray,
@@ -119,12 +119,37 @@ def test_branches_of_branches_attend_to_each_ancestor():
     assert contexts[0] == () and all(c and c[0][0] == 0 for c in contexts[1:])
     # the deepest branch shares 24 tokens with its neighbour, 20 of them the history
     assert max(sum(b - a for a, b in c) for c in contexts) == 24
-    # attention cuts the row once, at every segment and context boundary (a context may end inside a segment)
-    cuts = tree.layout.cuts(len(tree.row_ids))
-    bounds = {x for start, end, context in tree.layout.segments for x in (start, end, *sum(context, ()))}
-    assert cuts == sorted(bounds | {0}) and cuts[-1] == len(tree.row_ids)
-    assert any(b not in {s for s, _, _ in tree.layout.segments} | {len(tree.row_ids)}
-               for c in contexts for _, b in c)
+
+
+def test_packed_attention_equals_each_sample_attending_alone_with_gradients():
+    """The row's attention at each sample's path is causal attention over that sample alone, outputs and q/k/v
+    gradients, also where a context ends inside an earlier segment (the row is cut there)."""
+    rng = np.random.default_rng(2)
+    samples = [*branches(rng, "b", history_len=20)]
+    samples.append(sample_of(rng, "c", np.concatenate([samples[0].input_ids[:24], [7, 7, 7]]), 1.0,
+                             np.ones(27, bool), np.ones(27, bool)))
+    tree = build_tree([s.input_ids for s in samples], share=True)
+    starts = {start for start, _, _ in tree.layout.segments} | {len(tree.row_ids)}
+    assert any(b not in starts for _, _, context in tree.layout.segments for _, b in context)
+    torch.manual_seed(0)
+    length = len(tree.row_ids)
+    q, k, v = (torch.randn(1, heads, length, 16, requires_grad=True) for heads in (4, 2, 2))
+    out, _ = packed_sdpa_attention(None, q, k, v, None, row_layout=tree.layout)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    alone_q, alone_k, alone_v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    expected = torch.zeros_like(out)
+    for path in tree.paths:
+        index = torch.from_numpy(path)
+        own = torch.nn.functional.scaled_dot_product_attention(
+            alone_q[:, :, index], alone_k[:, :, index], alone_v[:, :, index], is_causal=True, enable_gqa=True)
+        expected[:, index] = own.transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    # each row position once (a shared one from the last sample through it): the gradients the row computes
+    (expected * weights).sum().backward()
+    for row, alone in ((q, alone_q), (k, alone_k), (v, alone_v)):
+        torch.testing.assert_close(row.grad, alone.grad, atol=1e-6, rtol=0)
+    assert k.grad.abs().max() > 1e-2
 
 
 def test_samples_sharing_nothing_sit_side_by_side():
