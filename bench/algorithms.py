@@ -18,10 +18,10 @@ import time
 import numpy as np
 
 from trace_rl.algorithms import load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.data.trace import Branch, Message, Trace
 from trace_rl.data.validate import validate_channels
-from trace_rl.pipeline.channels import aggregate
+from trace_rl.pipeline.channels import sum_channels
 
 TARGET_TOKENS_PER_S = 20e6
 # (role, content tokens, sampled) per message: header + content + end token each, 1024 tokens in all
@@ -86,11 +86,11 @@ def run(repeats: int = 10) -> dict:
         return result
 
     for _ in range(repeats):
-        grpo_channels = record("grpo", lambda: asyncio.run(run_algorithm(grpo, traces)))
-        echo_channels = record("echo", lambda: asyncio.run(run_algorithm(echo, traces)))
+        grpo_channels = record("grpo", lambda: asyncio.run(apply_algorithm(grpo, traces)))
+        echo_channels = record("echo", lambda: asyncio.run(apply_algorithm(echo, traces)))
         channels = grpo_channels + echo_channels
         record("validate", lambda: validate_channels(traces, channels))
-        samples = record("aggregate", lambda: aggregate(traces, channels))
+        samples = record("aggregate", lambda: sum_channels(traces, channels))
     total_wall, total_cpu = sum(wall.values()), sum(cpu.values())
     return {
         "tokens": tokens, "branches": len(traces), "samples": len(samples), "channels": len(channels),

@@ -1,6 +1,6 @@
 """One GPU: trace-rl's step on a Qwen2.5-0.5B-shaped model in bf16, and TRL's GRPOTrainer on the same work.
 
-Workload (the defaults): the realistic fixture (`tests.realistic`) at Qwen2.5-0.5B's full size
+Workload (the defaults): the realistic fixture (`trace_rl.models.realistic`) at Qwen2.5-0.5B's full size
 (`QWEN25_05B`: 24 layers, hidden 896, 151,936-token vocabulary, 494M parameters, random weights),
 bf16, `reverse-text` prompts, 64 rollouts per step (8 prompts x 8) of up to 512 completion tokens at
 temperature 1, grpo, lr 1e-6, `--steps` steps of which the first is warm-up. trace-rl samples with
@@ -47,7 +47,7 @@ SIDE_TIMEOUT_S = 3600
 
 
 def build_model(size: str, cache: str) -> str:
-    from tests import realistic
+    from trace_rl.models import realistic
 
     architecture = realistic.QWEN25_05B if size == "full" else realistic.ARCHITECTURE
     return str(realistic.build_realistic_model(Path(cache), repo_id=f"trace-rl/bench-qwen2-{size}",

@@ -143,8 +143,8 @@ def parquet_throughput(storages: dict[str, tuple[str, dict]], repeats: int) -> d
 
     from bench.algorithms import synthetic_step
     from trace_rl.algorithms import load_algorithm
-    from trace_rl.algorithms.runner import run_algorithm
-    from trace_rl.pipeline.channels import aggregate
+    from trace_rl.algorithms.runner import apply_algorithm
+    from trace_rl.pipeline.channels import sum_channels
     from trace_rl.storage import RunStorage
     from trace_rl.tables import read_batch, read_traces, samples_to_table, traces_to_table, write_batch, write_traces
 
@@ -155,8 +155,8 @@ def parquet_throughput(storages: dict[str, tuple[str, dict]], repeats: int) -> d
         branch.token_ids = rng.integers(0, 50_000, len(branch)).astype(branch.token_ids.dtype)
         branch.logprobs = np.where(branch.sampled, -rng.random(len(branch)), 0.0).astype(branch.logprobs.dtype)
     channels = [c for algo in (load_algorithm("grpo"), load_algorithm({"id": "echo", "user": {"alpha": 0.5}}))
-                for c in asyncio.run(run_algorithm(algo, traces))]
-    samples = aggregate(traces, channels)
+                for c in asyncio.run(apply_algorithm(algo, traces))]
+    samples = sum_channels(traces, channels)
     tables = {"traces": (write_traces, read_traces, traces, traces_to_table(traces).nbytes),
               "batch": (write_batch, read_batch, samples, samples_to_table(samples).nbytes)}
     tokens = sum(len(b) for t in traces for b in t.branches)

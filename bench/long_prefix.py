@@ -6,7 +6,7 @@ of a long agentic prompt); `branches`, a trace's two branches sharing 1,024 toke
 each. Micro-batches of 2,304 distinct positions on both sides: unshared, two samples each (8,704 tokens in 4
 micro-batches for the group); shared, the whole group in one (1,536 positions).
 
-Per case and side, in a fresh process (its peak RSS is that configuration's): one warm-up `Trainer.train_step`,
+Per case and side, in a fresh process (its peak RSS is that configuration's): one warm-up `Trainer.optimizer_step`,
 then one timed; the distinct positions, the samples' tokens and the output layer's rows (`output_positions`).
 The floor of a step: the distinct positions' training FLOPs (6 x parameters each) at the best float32
 2048^2-matmul rate measured in the same process just before and after its timed step (this machine's rate
@@ -69,10 +69,10 @@ def side(case: str, share: bool) -> dict:
                                  "share_prefixes": share})
         trainer = Trainer(config, RunStorage.of(config))
         samples = workload(case, trainer.module.config.vocab_size)
-        trainer.train_step(0, samples)
+        trainer.optimizer_step(0, samples)
         rate_before = matmul_gflops("float32")
         start = time.perf_counter()
-        metrics = trainer.train_step(1, samples)
+        metrics = trainer.optimizer_step(1, samples)
         seconds = time.perf_counter() - start
         gflops = max(rate_before, matmul_gflops("float32"))
         parameters = sum(p.numel() for p in trainer.module.parameters())

@@ -1,6 +1,6 @@
 """Weight broadcast per step, full weights vs a LoRA adapter: bytes written and seconds.
 
-Model: `tests.realistic`'s random Qwen2 (Qwen's 151,936-token vocabulary, hidden 64, 2 layers;
+Model: `trace_rl.models.realistic`'s random Qwen2 (Qwen's 151,936-token vocabulary, hidden 64, 2 layers;
 float32). Each variant trains `STEPS` real trainer steps on a synthetic batch; after each, the
 step's broadcast is timed in its two halves, what a training step does after the optimizer step:
 
@@ -81,7 +81,7 @@ def measure(variant: str, model_dir: str, storage_root: str) -> dict:
     vocabulary = len(runtime.tokenizer)
     rows = []
     for step in range(1, STEPS + 1):
-        trainer.train_step(step, synthetic_batch(step, vocabulary))
+        trainer.optimizer_step(step, synthetic_batch(step, vocabulary))
         started = time.perf_counter()
         directory = trainer.export_weights(step)
         exported = time.perf_counter()
@@ -100,7 +100,7 @@ def measure(variant: str, model_dir: str, storage_root: str) -> dict:
 
 
 def run() -> dict:
-    from tests.realistic import build_realistic_model
+    from trace_rl.models.realistic import build_realistic_model
     from trace_rl.inference.vllm_engine import shutdown_engines
 
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-lora-") as tmp:

@@ -1,9 +1,9 @@
 """Trainer peak memory per 1k tokens: full-vocabulary logits (before) against chunked logprobs (after).
 
-Model: `tests.realistic`'s random Qwen2 with Qwen's 151,936-token vocabulary (hidden 64,
+Model: `trace_rl.models.realistic`'s random Qwen2 with Qwen's 151,936-token vocabulary (hidden 64,
 2 layers, head_dim 32, tied embeddings: 9.8M parameters, nearly all of them the embedding),
 float32 on CPU. Workload: one packed micro-batch of N tokens (4 samples of N/4 tokens, rl on
-the second half of each) through `Trainer.train_step` (forward, backward, AdamW step), after
+the second half of each) through `Trainer.optimizer_step` (forward, backward, AdamW step), after
 a warm-up step on a few tokens that allocates the gradients and the optimizer state.
 
 "before" sets `trainer.logprob_chunk = None`: the model's full (N x 151,936) float32 logits, a
@@ -74,11 +74,11 @@ def measure(variant: str, tokens: int, model_dir: str) -> dict:
         if variant == "before":
             trainer.logprob_chunk = None
         vocabulary = trainer.module.config.vocab_size
-        trainer.train_step(0, samples(64, vocabulary, seed=1))  # gradients and AdamW state now exist
+        trainer.optimizer_step(0, samples(64, vocabulary, seed=1))  # gradients and AdamW state now exist
         batch = samples(tokens, vocabulary)
         baseline = peak_rss_mb()
         started = time.perf_counter()
-        metrics = trainer.train_step(1, batch)
+        metrics = trainer.optimizer_step(1, batch)
         seconds = time.perf_counter() - started
         peak = peak_rss_mb()
         parameters = sum(p.numel() for p in trainer.module.parameters())
@@ -89,7 +89,7 @@ def measure(variant: str, tokens: int, model_dir: str) -> dict:
 
 
 def build_model(cache_root: Path) -> str:
-    from tests.realistic import build_realistic_model
+    from trace_rl.models.realistic import build_realistic_model
 
     return str(build_realistic_model(cache_root))
 

@@ -80,7 +80,7 @@ def run_one(workload: str, k: int, storage: str, steps: int) -> list[dict]:
     config = load_config(ROOT / "configs" / "demo.toml", [
         *WORKLOADS[workload], f"name=overlap-{workload}-k{k}", f"storage={storage}", f"steps={steps}",
         f"async.max_off_policy_steps={k}"])
-    rows, subflow = [], flows.train.train_step
+    rows, subflow = [], flows.train.step_flow
 
     def timed_step(*args, **kwargs):
         started = time.perf_counter()
@@ -88,11 +88,11 @@ def run_one(workload: str, k: int, storage: str, steps: int) -> list[dict]:
         rows.append({**result["metrics"], "time/step": time.perf_counter() - started})
         return result
 
-    flows.train.train_step = timed_step
+    flows.train.step_flow = timed_step
     try:
         flows.train.run_training(config)
     finally:
-        flows.train.train_step = subflow
+        flows.train.step_flow = subflow
     return rows
 
 

@@ -157,14 +157,14 @@ def render_trainer(r: dict) -> list[str]:
             f"{r['tokens']:,} tokens in {r['micro_batches']} packed micro-batches; matmul "
             f"{r['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s; best of 3.", ""] + table(
         ["loop", "s/step", "tokens/s", "MFU"],
-        [["trace-rl Trainer.train_step", r["trainer_seconds"], r["trainer_tokens_per_s"], r["trainer_mfu"]],
+        [["trace-rl Trainer.optimizer_step", r["trainer_seconds"], r["trainer_tokens_per_s"], r["trainer_mfu"]],
          ["bare forward/backward/AdamW", r["bare_seconds"], r["bare_tokens_per_s"], r["bare_mfu"]]],
     ) + [f"Trainer / bare loop time: **{r['trainer_seconds'] / r['bare_seconds']:.2f}x** (target <= 1.2x).", ""]
 
 
 def render_memory(r: dict) -> list[str]:
     first = r["rows"][0]
-    lines = [f"One `Trainer.train_step` on a random Qwen2 with a {first['vocabulary']:,}-token vocabulary "
+    lines = [f"One `Trainer.optimizer_step` on a random Qwen2 with a {first['vocabulary']:,}-token vocabulary "
              f"({first['parameters'] / 1e6:.1f}M parameters, float32, CPU): the growth of peak RSS over the step "
              "(after a warm-up step made the gradients and AdamW state), a fresh process per row. before: "
              "full-vocabulary logits; after: chunked output layer and log-softmax (the default).", ""]

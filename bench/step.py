@@ -156,7 +156,7 @@ def run_interleaved(flow_config, library_step, timers) -> dict:
     import flows.train
 
     rows: dict[str, list[dict]] = {"flow": [], "library": []}
-    subflow = flows.train.train_step
+    subflow = flows.train.step_flow
 
     def attach_around() -> None:  # the run flow's timed work since the previous subflow (publish, progress)
         around = timers.take()
@@ -178,7 +178,7 @@ def run_interleaved(flow_config, library_step, timers) -> dict:
             rows["library"].append(library_step(step))
         return result
 
-    flows.train.train_step = timed_step
+    flows.train.step_flow = timed_step
     for name in RUN_FLOW_WORK:
         timers.patch(flows.train, name, lambda args, kwargs, name=name: f"flow/{name}")
     try:
@@ -187,7 +187,7 @@ def run_interleaved(flow_config, library_step, timers) -> dict:
         total = time.perf_counter() - started
         attach_around()
     finally:
-        flows.train.train_step = subflow
+        flows.train.step_flow = subflow
     library_total = sum(r["wall"] for r in rows["library"])
     return {"rows": rows, "flow_total": total - library_total, "library_total": library_total}
 

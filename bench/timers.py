@@ -27,7 +27,7 @@ STORAGE_FUNCTIONS = (
     ("trace_rl.pipeline.step", "write_batch_table", "io/write_batch"),
     ("trace_rl.trainer.lifecycle", "read_batch", "io/read_batch"),
 )
-TRAINER_METHODS = (("train_step", "trainer/compute"), ("save_checkpoint", "trainer/checkpoint"),
+TRAINER_METHODS = (("optimizer_step", "trainer/compute"), ("save_checkpoint", "trainer/checkpoint"),
                    ("export_weights", "trainer/export_weights"))
 
 

@@ -1,4 +1,4 @@
-"""Trainer throughput: tokens/s of `Trainer.train_step` (pack + forward + backward + optimizer step).
+"""Trainer throughput: tokens/s of `Trainer.optimizer_step` (pack + forward + backward + optimizer step).
 
 Workload: a Qwen2 model built in memory (hidden 256, 4 layers, 8 heads of 32, 4 KV
 heads, MLP 768, the tiny byte tokenizer's vocabulary: 3.4M parameters), fp32 on
@@ -118,7 +118,7 @@ def run(repeats: int = 3) -> dict:
                         # unshared: the bare loop runs the same rows (bench.long_prefix measures sharing)
                         trainer={"micro_batch_tokens": MICRO_BATCH_TOKENS, "lr": 1e-5, "share_prefixes": False})
         trainer = Trainer(config, RunStorage.of(config))
-        trainer_s = best_seconds(lambda: trainer.train_step(0, samples), device, repeats)
+        trainer_s = best_seconds(lambda: trainer.optimizer_step(0, samples), device, repeats)
         micro_batches = pack(samples, MICRO_BATCH_TOKENS)
         bare_s = best_seconds(
             lambda: bare_step(trainer.module, trainer.optimizer, micro_batches, device, trainer.dtype), device, repeats)

@@ -20,7 +20,7 @@ training, and for trace-rl also the Parquet hand-offs, the checkpoint, the weigh
 and the broadcast) and the CPU seconds the side's processes spent on it (the process and its
 live children: vLLM's engine processes; robust to a loaded machine, where wall time also
 counts waiting for a core), trainer seconds and trainer tokens/s (non-pad prompt + completion tokens
-per second of forward + backward + optimizer step: trace-rl's `Trainer.train_step`, TRL's
+per second of forward + backward + optimizer step: trace-rl's `Trainer.optimizer_step`, TRL's
 step minus its generate-and-score phase), peak RSS, and the mean reward per step.
 
 `REAL` is bench/trl_real.py's workload on a real pretrained model (SmolLM2-135M); its sides also report

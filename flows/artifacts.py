@@ -15,9 +15,7 @@ from prefect.artifacts import (
 )
 
 from trace_rl.config import Config
-from trace_rl.pipeline.rollout_table import rollout_rows
 from trace_rl.storage import RunStorage, step_name
-from trace_rl.tables import read_channels, read_traces
 
 TABLE_COLUMNS = ("reward_mean", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
                  "train/loss/ce", "train/mismatch/k3_kl", "train/grad_norm", "async/policy_lag_max",
@@ -85,18 +83,14 @@ def publish(config: Config, rows: list[dict], plot: bool = True) -> None:
     )
 
 
-def publish_rollouts(config: Config, step: int, channel_paths: list[str]) -> None:
-    """The step's table of a few rollouts (`[prefect.rollouts]`) under the run's key `<name>-rollouts`: one version per
-    step, each in its step's flow run."""
-    options = config.prefect.rollouts
-    if options.count == 0:
+def publish_rollouts(config: Config, step: int, rows: list[dict]) -> None:
+    """The step's table of a few rollouts (`[prefect.rollouts]`; the `aggregate_channels` stage chose them) under the
+    run's key `<name>-rollouts`: one version per step, each in its step's flow run."""
+    if not rows:
         return
-    storage = RunStorage.of(config)
-    channels = [channel for path in channel_paths for channel in read_channels(storage, path)]
-    rows = [{column: as_markdown_text(value) for column, value in row.items()}
-            for row in rollout_rows(config, step, read_traces(storage, step), channels)]
+    rows = [{column: as_markdown_text(value) for column, value in row.items()} for row in rows]
     create_table_artifact(key=artifact_key(config, "rollouts"), table=rows,
-                          description=f"{config.name}: {len(rows)} rollouts of step {step} ({options.select})")
+                          description=f"{config.name}: {len(rows)} rollouts of step {step} ({config.prefect.rollouts.select})")
 
 
 def as_markdown_text(value):

@@ -166,10 +166,10 @@ def cmd_replay(args) -> int:
     _prefect()
     reaper.start()
     quiet.progress_bars()
-    from flows.replay import replay
+    from flows.replay import replay_flow
 
     try:
-        replay(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
+        replay_flow(run=args.run, algorithms=algorithms, out=args.out, steps=args.steps, train=args.train,
                from_step=args.from_step, model=args.model, overwrite=args.overwrite, overrides=args.overrides,
                traces=args.traces)
     finally:
@@ -247,7 +247,7 @@ def cmd_env_server(args) -> int:
 
 
 def cmd_verifiers_env_server(args) -> int:
-    from trace_rl.envs.verifiers_serve import serve
+    from trace_rl.envs.verifiers_env_server import serve
 
     config = load_config(args.config, args.overrides, on_this_machine=True)
     envs = config.env if args.env < len(config.env) else []

@@ -19,7 +19,7 @@ from trace_rl.config import Config
 from trace_rl.eval.evaluation import check_eval, tracker_metrics
 from trace_rl.eval.evaluation import evaluate as evaluate_step
 from trace_rl.pipeline.session import session_for
-from trace_rl.pipeline.step import run_sync
+from trace_rl.aio import run_sync
 from trace_rl.runs.tracking import Trackers
 
 # progress(done, total) after each eval sample, for the caller's progress bar (a callable is no flow parameter)
@@ -27,7 +27,7 @@ PROGRESS: ContextVar = ContextVar("eval_progress", default=None)
 
 
 @flow(name="eval", flow_run_name="{config.name}-eval-{step}", log_prints=True)
-def evaluate(config: Config, step: int, track: bool = True) -> list[dict]:
+def eval_flow(config: Config, step: int, track: bool = True) -> list[dict]:
     """Evaluate the weights of `step` (0: the base model) on `[eval] envs`; a finished eval is read back.
 
     The metrics go to eval/step_<step>/metrics.parquet, a table artifact and, with `track`, the run's trackers
@@ -68,7 +68,7 @@ def evaluate_with_progress(config: Config, step: int, bar: Progress, track: bool
     task = bar.add_task(f"eval of step {step}", total=None, last="")
     token = PROGRESS.set(lambda done, total: bar.update(task, completed=done, total=total))
     try:
-        return evaluate(config, step, track=track)
+        return eval_flow(config, step, track=track)
     finally:
         PROGRESS.reset(token)
         bar.remove_task(task)

@@ -14,7 +14,7 @@ from trace_rl.trainer.nodes import serve_node
 
 
 @flow(name="trainer-node", flow_run_name="{config.name}-node-{node_rank}", log_prints=True)
-def trainer_node(config: Config, node_rank: int, wait_s: float | None = None) -> None:
+def trainer_node_flow(config: Config, node_rank: int, wait_s: float | None = None) -> None:
     """Serve node `node_rank`'s trainer workers for the run `config` describes (the same config as its train flow);
     each wait for node 0's session lasts at most `wait_s` s (default: the rendezvous timeout)."""
     check_config(config)

@@ -74,7 +74,7 @@ def stop_engines() -> None:
         from trace_rl.inference.vllm_engine import shutdown_engines
 
         shutdown_engines()
-    if "trace_rl.trainer.workers" in sys.modules:
-        from trace_rl.trainer.workers import stop_all
+    if "trace_rl.trainer.launcher" in sys.modules:
+        from trace_rl.trainer.launcher import stop_all
 
         stop_all()

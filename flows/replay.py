@@ -11,15 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.artifacts import aligned, reward_mean
-from tasks.replay_step import replay_step
-from tasks.train_replayed import train_replayed
+from tasks.replay_step import replay_step_task
+from tasks.train_replayed import train_replayed_task
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.offline import replay as lib
 from trace_rl.storage import RunStorage, step_name
 
 
 @flow(name="replay", log_prints=True)
-def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
+def replay_flow(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: str | None = None,
            train: bool = False, from_step: int | None = None, model: str | None = None,
            storage_options: dict | None = None, overwrite: bool = False, overrides: list[str] = (),
            traces: str | None = None) -> list[dict]:
@@ -39,7 +39,7 @@ def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: 
     states = lib.initial_states(session_for(config), chosen[0], algorithm_jobs(config)) if chosen else {}
     summaries = []
     for step in chosen:
-        result = replay_step(config=config, out_url=out_storage.url, step=step, states=states)
+        result = replay_step_task(config=config, out_url=out_storage.url, step=step, states=states)
         states = result.pop("states")
         summaries.append(result)
     out_storage.write_json(out_storage.path("replay.json"), {
@@ -58,7 +58,7 @@ def replay(run: str | None, algorithms: list[AlgorithmConfig], out: str, steps: 
             from trace_rl.inference.broadcast import stage_weights
 
             start = stage_weights(plan.source_storage, from_step)
-        trained = train_replayed(config=lib.train_config(config, out_storage, start, envs=traces is None),
+        trained = train_replayed_task(config=lib.train_config(config, out_storage, start, envs=traces is None),
                                  steps=chosen)
         rewards = record_rewards(plan.records) if traces is not None else source_rewards(plan.source_storage, chosen)
         console.print(training_table(trained, rewards))

@@ -8,26 +8,26 @@ from __future__ import annotations
 
 from prefect import serve
 
-from flows.eval import evaluate
-from flows.replay import replay
-from flows.train import train
+from flows.eval import eval_flow
+from flows.replay import replay_flow
+from flows.train import train_flow
 from trace_rl.config import Config
 
 
 def serve_config(config: Config, cron: str | None = None) -> None:
-    training = train.to_deployment(
+    training = train_flow.to_deployment(
         name=config.name,
         parameters={"config": config.model_dump(mode="json"), "mode": "resume"},
         cron=cron,
         description=f"Train {config.name}: {config.steps} steps; edit the config in the run form.",
         enforce_parameter_schema=True,
     )
-    replaying = replay.to_deployment(
+    replaying = replay_flow.to_deployment(
         name=f"{config.name}-replay",
         description="Replay saved traces of a run through new algorithms into new batches.",
         enforce_parameter_schema=True,
     )
-    evaluating = evaluate.to_deployment(
+    evaluating = eval_flow.to_deployment(
         name=f"{config.name}-eval",
         parameters={"config": config.model_dump(mode="json"), "step": config.steps},
         description=f"Evaluate the weights of one step of {config.name} on its [eval] envs (docs/eval.md).",

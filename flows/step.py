@@ -13,21 +13,21 @@ from prefect import flow, get_run_logger
 from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import publish_rollouts
-from tasks.aggregate_channels import aggregate_channels
-from tasks.broadcast_weights import broadcast_weights
+from tasks.aggregate_channels import aggregate_channels_task
+from tasks.broadcast_weights import broadcast_weights_task
 from tasks.caching import stage_options
-from tasks.run_algorithm import run_algorithm
-from tasks.sample_rollouts import sample_rollouts
-from tasks.train import train
-from tasks.validate_dimensions import validate_dimensions
-from tasks.write_batch import write_batch
+from tasks.run_algorithm import run_algorithm_task
+from tasks.sample_rollouts import sample_rollouts_task
+from tasks.train import train_task
+from tasks.validate_dimensions import validate_dimensions_task
+from tasks.write_batch import write_batch_task
 from trace_rl.config import Config
 from trace_rl.pipeline import step as stages
 from trace_rl.storage import RunStorage
 
 
 @flow(name="train_step", flow_run_name="{config.name}-step-{step}", log_prints=True)
-def train_step(config: Config, step: int, rollouts: dict | None = None, sample_ahead: list[int] | None = None) -> dict:
+def step_flow(config: Config, step: int, rollouts: dict | None = None, sample_ahead: list[int] | None = None) -> dict:
     """`rollouts`: this step's `sample_rollouts` result when an earlier step sampled it; `sample_ahead`: the later
     steps to sample while this one trains."""
     logger = get_run_logger()
@@ -55,29 +55,29 @@ def train_step(config: Config, step: int, rollouts: dict | None = None, sample_a
         return result
 
     if rollouts is None:
-        rollouts = stage(sample_rollouts, "sample_rollouts")
+        rollouts = stage(sample_rollouts_task, "sample_rollouts")
     else:
         timings["sample_rollouts"] = rollouts["seconds"]
     jobs = stages.algorithm_jobs(config)
-    ran = [run(run_algorithm, f"algorithm/{job.config.id}", job=job) for job in jobs]  # each after sampling
+    ran = [run(run_algorithm_task, f"algorithm/{job.config.id}", job=job) for job in jobs]  # each after sampling
     before[:] = [state for state, _ in ran]
     algorithms = [result for _, result in ran]
     paths = [result["channels"] for result in algorithms]
-    stage(validate_dimensions, "validate_dimensions", channel_paths=paths)
-    aggregated = stage(aggregate_channels, "aggregate_channels", channel_paths=paths)
-    batch = stage(write_batch, "write_batch", aggregated=aggregated["aggregated"])
-    publish_rollouts(config, step, paths)
+    stage(validate_dimensions_task, "validate_dimensions", channel_paths=paths)
+    aggregated = stage(aggregate_channels_task, "aggregate_channels", channel_paths=paths)
+    batch = stage(write_batch_task, "write_batch", aggregated=aggregated["aggregated"])
+    publish_rollouts(config, step, aggregated["rollouts"])
     ahead = []
     for later in sample_ahead or []:  # one after the other: each loads its own weights into the one sampler
-        ahead.append(sample_rollouts.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(
+        ahead.append(sample_rollouts_task.with_options(**resumable, task_run_name=f"sample_rollouts-step-{later}").submit(
             config=config, step=later, wait_for=ahead[-1:]))
     # never from Prefect's cache: with ckpt.interval > 1 a resume re-trains steps whose train task once finished
     # (the trainer's state is the newest checkpoint's); `train` itself reuses a step's checkpoint when it exists
-    trained = stage(train, "train", options={**resumable, "cache_policy": NO_CACHE},
+    trained = stage(train_task, "train", options={**resumable, "cache_policy": NO_CACHE},
                     algorithm_states=stages.algorithm_state_paths(storage, step, jobs))
     sampled = []
     if config.async_.max_off_policy_steps == 0:
-        stage(broadcast_weights, "broadcast_weights", options={})
+        stage(broadcast_weights_task, "broadcast_weights", options={})
     elif ahead:  # each sampling loads its own scheduled weights: nothing to broadcast
         started = time.perf_counter()
         sampled = [future.result() for future in ahead]

@@ -17,7 +17,7 @@ from flows import quiet
 from flows.artifacts import aligned, history, publish, reward_mean, start_progress, update_progress
 from flows.eval import eval_table, evaluate_with_progress
 from flows.liveness import crash_gone_runs, crash_orphaned_subflows, label_this_flow_run, without_heartbeat
-from flows.step import train_step
+from flows.step import step_flow
 from trace_rl.config import Config
 from trace_rl.eval.evaluation import evaluates_at, tracker_metrics
 from trace_rl.pipeline.schedule import sampled_while_training
@@ -30,7 +30,7 @@ PLOT_EVERY = 5  # the reward plot costs ~0.2 s to draw; the metrics table goes u
 
 
 @flow(name="train", flow_run_name="{config.name}", log_prints=True)
-def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -> list[dict]:
+def train_flow(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -> list[dict]:
     """Run `config.steps` steps, resuming after the latest STABLE checkpoint.
 
     A retry of this flow run (the UI's Retry, `prefect flow-run retry`) resumes, whatever `mode` was.
@@ -71,7 +71,7 @@ def train(config: Config, mode: Literal["new", "resume", "overwrite"] = "new") -
             ahead = sampled_while_training(step, config.async_.max_off_policy_steps, max(sampled, default=step),
                                            config.steps)
             with without_heartbeat():
-                result = train_step(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
+                result = step_flow(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
             sampled.update(zip(ahead, result["sampled"]))
             metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
             rows.append(metrics)
@@ -145,4 +145,4 @@ def reward_table(config: Config, rows: list[tuple]) -> Table:
 
 def run_training(config: Config, resume: bool = False, overwrite: bool = False) -> list[dict]:
     """The CLI's entry: `trace-rl train CONFIG [--resume | --overwrite]`."""
-    return train(config, mode="resume" if resume else "overwrite" if overwrite else "new")
+    return train_flow(config, mode="resume" if resume else "overwrite" if overwrite else "new")

@@ -6,6 +6,6 @@ from trace_rl.pipeline.session import session_for
 
 
 @task(name="aggregate_channels", task_run_name="aggregate_channels")
-def aggregate_channels(config: Config, step: int, channel_paths: list[str]) -> dict:
+def aggregate_channels_task(config: Config, step: int, channel_paths: list[str]) -> dict:
     """One training sample per branch, same-loss channels summed, into steps/<step>/aggregated.parquet."""
     return stages.aggregate_channels(session_for(config), step, channel_paths)

@@ -6,6 +6,6 @@ from trace_rl.pipeline.session import session_for
 
 
 @task(name="broadcast_weights", task_run_name="broadcast_weights")
-def broadcast_weights(config: Config, step: int) -> dict:
+def broadcast_weights_task(config: Config, step: int) -> dict:
     """The actor samples with weights/<step> from the next step on."""
-    return stages.run_sync(stages.broadcast_weights(session_for(config), step))
+    return stages.broadcast_weights(session_for(config), step)

@@ -187,7 +187,7 @@ def shared_vllm(vllm_runtime, tiny_model_path):
 
 @pytest.fixture(scope="session")
 def realistic_model():
-    """The realistic fixture model (`tests.realistic`), built once into a Hugging Face hub cache under the
+    """The realistic fixture model (`trace_rl.models.realistic`), built once into a Hugging Face hub cache under the
     session's cache, with HF_HUB_CACHE pointing there and HF_HUB_OFFLINE=1 for the rest of the session, so
     `model.name = "trace-rl/qwen2-fixture"` resolves by hub id exactly as a downloaded model does.
 
@@ -196,7 +196,7 @@ def realistic_model():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from tests.realistic import REPO_ID, build_realistic_model
+    from trace_rl.models.realistic import REPO_ID, build_realistic_model
 
     cache = Path(os.environ["TRACE_RL_CACHE"]) / "hf-hub"
     path = build_realistic_model(cache)

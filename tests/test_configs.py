@@ -75,11 +75,11 @@ def test_prefect_yaml_demo_deployment_is_the_demo_config():
     from trace_rl.runs.loading import validate_config
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
-    assert deployments["demo"]["entrypoint"] == "flows/train.py:train"
-    assert deployments["replay"]["entrypoint"] == "flows/replay.py:replay"
+    assert deployments["demo"]["entrypoint"] == "flows/train.py:train_flow"
+    assert deployments["replay"]["entrypoint"] == "flows/replay.py:replay_flow"
     assert validate_config(deployments["demo"]["parameters"]["config"]) == load_config(ROOT / "configs" / "demo.toml")
     evaluation = deployments["demo-eval"]
-    assert evaluation["entrypoint"] == "flows/eval.py:evaluate" and evaluation["parameters"]["step"] == 30
+    assert evaluation["entrypoint"] == "flows/eval.py:eval_flow" and evaluation["parameters"]["step"] == 30
     assert validate_config(evaluation["parameters"]["config"]).model_dump(exclude={"eval"}) == validate_config(
         deployments["demo"]["parameters"]["config"]).model_dump(exclude={"eval"})
 
@@ -98,9 +98,9 @@ def test_prefect_yaml_declares_the_deployments_serve_serves(monkeypatch):
     text = (ROOT / "prefect.yaml").read_text()
     declared = yaml.safe_load(text)["deployments"]
     assert len(declared) == 5 and "# Five deployments: the three of `trace-rl serve" in text
-    nodes = "flows/node.py:trainer_node"  # node K of a multi-node trainer (docs/scaling.md): no `serve` counterpart
+    nodes = "flows/node.py:trainer_node_flow"  # node K of a multi-node trainer (docs/scaling.md): no `serve` counterpart
     assert sorted({d["entrypoint"] for d in declared} - {nodes}) == sorted(d.entrypoint for d in served) == [
-        "flows/eval.py:evaluate", "flows/replay.py:replay", "flows/train.py:train"]
+        "flows/eval.py:eval_flow", "flows/replay.py:replay_flow", "flows/train.py:train_flow"]
     for deployment in declared:
         if deployment.get("parameters"):
             load_flow_from_entrypoint(deployment["entrypoint"]).validate_parameters(deployment["parameters"])
@@ -114,7 +114,7 @@ def test_prefect_yaml_two_node_deployments_share_one_config():
 
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     train, node = deployments["demo-2-nodes"], deployments["demo-2-nodes-1"]
-    assert (train["entrypoint"], node["entrypoint"]) == ("flows/train.py:train", "flows/node.py:trainer_node")
+    assert (train["entrypoint"], node["entrypoint"]) == ("flows/train.py:train_flow", "flows/node.py:trainer_node_flow")
     config = validate_config(train["parameters"]["config"])
     assert config.trainer.nnodes == 2 and node["parameters"]["node_rank"] == 1
     assert validate_config(node["parameters"]["config"]) == config

@@ -1,11 +1,10 @@
-"""The extension API: the names at the top of `trace_rl`, every import the docs show, and the old module paths."""
+"""The extension API: the names at the top of `trace_rl`, every import the docs show, and the pipeline's plumbing."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,11 @@ from trace_rl.runs.loading import validate_config
 ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC = [
-    "Algorithm", "AlgorithmConfig", "AlgorithmError", "Branch", "Channel", "DimensionError", "EnvError", "Environment",
-    "Example", "Message", "Sampler", "Trace", "TrainingSample", "aggregate", "channel_stats", "group_traces",
-    "load_algorithm", "load_algorithms", "load_env", "read_channels", "register", "register_env", "run_algorithm",
-    "run_algorithms", "validate_channels", "write_channels",
+    "Algorithm", "AlgorithmConfig", "AlgorithmError", "Branch", "Channel", "Conversation", "EnvError", "Environment",
+    "Example", "Message", "ModelRuntime", "NoOptions", "RetryableError", "Sampler", "Trace", "TrainingSample",
+    "apply_algorithm", "group_traces", "load_algorithm", "load_env", "ok_traces", "register_algorithm", "register_env",
+    "sampled_mask", "set_on_sampled",
 ]
-
-OLD_MODULES = {
-    "trace_rl.trace": "trace_rl.data.trace", "trace_rl.validate": "trace_rl.data.validate",
-    "trace_rl.channels": "trace_rl.pipeline.channels", "trace_rl.tiny": "trace_rl.models.tiny",
-    "trace_rl.hub": "trace_rl.models.hub", "trace_rl.step": "trace_rl.pipeline.step",
-    "trace_rl.session": "trace_rl.pipeline.session", "trace_rl.tracking": "trace_rl.runs.tracking",
-}
 
 
 def test_the_public_names_are_pinned_and_each_is_importable_from_the_top():
@@ -51,39 +43,71 @@ def doc_imports() -> list[str]:
     return found
 
 
-def test_every_import_in_a_doc_code_block_runs_without_a_deprecated_path():
+def test_every_import_in_a_doc_code_block_runs():
     imports = doc_imports()
     assert any(line.startswith("from trace_rl import") for line in imports)
     program = "\n".join(dict.fromkeys(imports))
-    run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:trace_rl.moved", "-c", program], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-
-
-@pytest.mark.parametrize("old, new", OLD_MODULES.items())
-def test_an_old_module_path_imports_the_new_module_with_a_warning_naming_it(old, new):
-    program = (f"import warnings; warnings.simplefilter('always')\nimport {old} as old, {new} as new\n"
-               "assert old is new")
     run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert f"<string>:2: DeprecationWarning: {old} moved to {new}; import it from there" in run.stderr
 
 
-def test_the_names_of_the_old_models_module_resolve_with_a_warning():
-    from trace_rl.inference.build import build_runtime
-    from trace_rl.models.runtime import RuntimeConfig
+def extension_examples() -> dict[str, str]:
+    """The docs' extension examples: each ```python block that imports from `trace_rl` and defines a class, as a
+    module's source, by a module name made of its page and position."""
+    found = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)):
+            if "from trace_rl import" in block and re.search(r"(?m)^class ", block):
+                found[f"{page.stem}_example_{index}"] = block
+    return found
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from trace_rl.models import RuntimeConfig as old_config
-        from trace_rl.models import build_runtime as old_build
-    assert (old_config, old_build) == (RuntimeConfig, build_runtime)
-    assert [str(w.message).split(";")[0] for w in caught if w.category is DeprecationWarning] == [
-        "trace_rl.models.RuntimeConfig moved to trace_rl.models.runtime.RuntimeConfig",
-        "trace_rl.models.build_runtime moved to trace_rl.inference.build.build_runtime",
-    ]
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        trace_rl.models.nothing
+
+def mypy(folder: Path, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir",
+                           str(cache), str(folder)], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_the_docs_extension_examples_type_check_and_a_wrong_attribute_fails(tmp_path):
+    examples = extension_examples()
+    assert {"algorithms", "envs", "remote"} <= {name.split("_example_")[0] for name in examples}
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for folder in (good, bad):
+        folder.mkdir()
+    for name, source in examples.items():
+        (good / f"{name}.py").write_text(source)
+    checked = mypy(good, tmp_path / "cache")
+    assert checked.returncode == 0, checked.stdout[-3000:]
+    assert f"no issues found in {len(examples)} source files" in checked.stdout
+    # the same examples with an attribute misspelled: one on trace-rl's types, one on the example's own options
+    [algorithm] = [source for name, source in examples.items() if name.startswith("algorithms_")]
+    wrong = algorithm.replace("for branch in trace.branches:", "for branch in trace.branchs:").replace(
+        "self.options.per_token", "self.options.per_tokn")
+    (bad / "algorithm.py").write_text(wrong)
+    failed = mypy(bad, tmp_path / "cache")
+    assert failed.returncode == 1
+    assert '"Trace" has no attribute "branchs"' in failed.stdout, failed.stdout
+    assert '"LengthPenaltyOptions" has no attribute "per_tokn"' in failed.stdout, failed.stdout
+
+
+def test_the_type_checking_mirror_names_every_public_name_as_the_object_it_resolves_to():
+    import ast
+
+    tree = ast.parse(Path(trace_rl.__file__).read_text())
+    [mirror] = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    named = {alias.name: node.module for node in mirror.body for alias in node.names}
+    assert sorted(named) == PUBLIC
+    for name, module in named.items():
+        assert getattr(trace_rl, name) is getattr(__import__(module, fromlist=[name]), name), name
+
+
+def test_the_pipelines_plumbing_is_trace_rl_pipelines():
+    import trace_rl.pipeline as pipeline
+    from trace_rl.tables import read_channels
+
+    assert pipeline.__all__ == ["DimensionError", "apply_algorithms", "channel_stats", "load_algorithms",
+                                "read_channels", "sum_channels", "validate_channels", "write_channels"]
+    assert pipeline.read_channels is read_channels
+    assert not {"read_channels", "channel_stats", "validate_channels"} & set(trace_rl.__all__)
 
 
 ENV_MODULE = '''
@@ -91,9 +115,9 @@ from trace_rl import register_env
 from trace_rl.envs.reverse_text import ReverseText
 
 
-@register_env
+@register_env("shouting-{suffix}")
 class Shouting(ReverseText):
-    id = "shouting-{suffix}"
+    """reverse-text under another id."""
 '''
 
 
@@ -119,7 +143,7 @@ def test_importing_one_module_of_trace_rl_imports_none_of_the_public_names_modul
     program = ("import sys, trace_rl.machine.reaper\n"
                "loaded = sorted(m for m in sys.modules if m.startswith('trace_rl'))\n"
                "assert loaded == ['trace_rl', 'trace_rl.machine', 'trace_rl.machine.processes', "
-               "'trace_rl.machine.reaper'], loaded\n"
+               "'trace_rl.machine.reaper', 'trace_rl.version'], loaded\n"
                "assert not {'numpy', 'pydantic', 'pyarrow'} & set(sys.modules)")
     run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -66,44 +66,6 @@ def test_batches_round_trip_exactly(storage):
             np.testing.assert_array_equal(got, expected.astype(got.dtype))
 
 
-def test_a_batch_without_the_sampled_column_reads_as_all_sampled(tmp_path):
-    """batch.parquet written before `sampled` existed: every token at the sample's temperature, as it trained then."""
-    import pyarrow.parquet as pq
-
-    from trace_rl.tables import samples_to_table
-
-    storage = RunStorage(str(tmp_path), "run")
-    write_batch(storage, 0, sample_batch())
-    path = storage.step_path(0, "batch.parquet")
-    pq.write_table(samples_to_table(sample_batch()).drop_columns(["sampled"]), path)
-    back = read_batch(storage, 0)
-    assert [b.sampled.tolist() for b in back] == [[True] * 4, [True] * 9]
-    assert back[1].rl_mask.tolist() == (np.arange(9) > 1).tolist()
-
-
-def test_a_trace_table_with_the_old_policy_version_column_reads_as_policy_step(tmp_path):
-    """traces.parquet written before the column was renamed `policy_step` keeps its sampling step."""
-    from trace_rl.tables import traces_to_table
-
-    storage = RunStorage(str(tmp_path), "run")
-    write_traces(storage, 2, sample_traces())
-    table = traces_to_table(sample_traces())
-    pq.write_table(table.rename_columns([n.replace("policy_step", "policy_version") for n in table.column_names]),
-                   storage.step_path(2, "traces.parquet"))
-    assert [t.policy_step for t in read_traces(storage, 2)] == [0, 0, 3]
-
-
-def test_a_trace_table_without_branch_trainable_reads_every_branch_as_trainable(tmp_path):
-    """traces.parquet written before branches had `trainable`: every branch trained then."""
-    from trace_rl.tables import traces_to_table
-
-    storage = RunStorage(str(tmp_path), "run")
-    write_traces(storage, 2, sample_traces())
-    pq.write_table(traces_to_table(sample_traces()).drop_columns(["branch_trainable"]),
-                   storage.step_path(2, "traces.parquet"))
-    assert [[b.trainable for b in t.branches] for t in read_traces(storage, 2)] == [[True, True], [], [True]]
-
-
 def test_layout_uses_six_digit_steps(storage):
     write_traces(storage, 12, sample_traces())
     assert storage.exists(storage.path("steps", "000012", "traces.parquet"))

@@ -1,14 +1,23 @@
 """trace-rl: RL post-training on token-exact traces.
 
-The names an extension or a notebook imports live here, at the top: `from trace_rl import Trace, Algorithm,
-register, Environment, register_env`. Where they are defined may move; these names do not (removing one is a
-decision: tests/test_public_api.py pins `__all__`). Each is imported on first use (PEP 562), so that a process
-that runs one module (`python -m trace_rl.machine.reaper`, a trainer worker) imports none of the others.
+The names an algorithm, env or loss author imports live here, at the top: `from trace_rl import Trace, Algorithm,
+register_algorithm, Environment, register_env, sampled_mask`. Where they are defined may move; these names do not
+(tests/test_public_api.py pins `__all__`). The pipeline's own plumbing (reading and writing channel tables,
+validating and summing channels) is `trace_rl.pipeline`'s.
+
+Each name is imported on first use (PEP 562), so that a process that runs one module (`python -m
+trace_rl.machine.reaper`, a trainer rank) imports none of the others; the `TYPE_CHECKING` block below names the same
+objects for IDEs and type checkers.
 """
 
-from importlib import import_module
+from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from trace_rl.version import VERSION
+
+__version__ = VERSION
 
 PUBLIC = {
     # the data model
@@ -16,21 +25,45 @@ PUBLIC = {
     "Channel": "trace_rl.data.channel",
     "TrainingSample": "trace_rl.data.sample",
     # algorithms
-    **dict.fromkeys(["Algorithm", "AlgorithmConfig", "AlgorithmError", "load_algorithm", "register"],
-                    "trace_rl.algorithms"),
-    **dict.fromkeys(["load_algorithms", "run_algorithm", "run_algorithms"], "trace_rl.algorithms.runner"),
+    **dict.fromkeys(["Algorithm", "AlgorithmError"], "trace_rl.algorithms.base"),
+    "AlgorithmConfig": "trace_rl.config",
+    "register_algorithm": "trace_rl.algorithms.registry",
+    "load_algorithm": "trace_rl.algorithms.lookup",
+    "apply_algorithm": "trace_rl.algorithms.runner",
+    **dict.fromkeys(["ok_traces", "sampled_mask", "set_on_sampled"], "trace_rl.algorithms.signal"),
     # environments
-    **dict.fromkeys(["EnvError", "Environment", "Example", "Sampler", "load_env", "register_env"], "trace_rl.envs"),
-    # channels: checked against their branches, aggregated, stored
-    **dict.fromkeys(["DimensionError", "validate_channels"], "trace_rl.data.validate"),
-    **dict.fromkeys(["aggregate", "channel_stats"], "trace_rl.pipeline.channels"),
-    **dict.fromkeys(["read_channels", "write_channels"], "trace_rl.tables"),
+    **dict.fromkeys(["EnvError", "Environment", "Example", "Sampler"], "trace_rl.envs.base"),
+    "register_env": "trace_rl.envs.registry",
+    "load_env": "trace_rl.envs.lookup",
+    "Conversation": "trace_rl.models.render",
+    "ModelRuntime": "trace_rl.models.runtime",
+    "RetryableError": "trace_rl.errors",
+    # options of algorithms, envs and losses
+    "NoOptions": "trace_rl.options",
 }
 
 __all__ = sorted(PUBLIC)
 
+if TYPE_CHECKING:
+    from trace_rl.algorithms.base import Algorithm, AlgorithmError
+    from trace_rl.algorithms.lookup import load_algorithm
+    from trace_rl.algorithms.registry import register_algorithm
+    from trace_rl.algorithms.runner import apply_algorithm
+    from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
+    from trace_rl.config import AlgorithmConfig
+    from trace_rl.data.channel import Channel
+    from trace_rl.data.sample import TrainingSample
+    from trace_rl.data.trace import Branch, Message, Trace, group_traces
+    from trace_rl.envs.base import EnvError, Environment, Example, Sampler
+    from trace_rl.envs.lookup import load_env
+    from trace_rl.envs.registry import register_env
+    from trace_rl.errors import RetryableError
+    from trace_rl.models.render import Conversation
+    from trace_rl.models.runtime import ModelRuntime
+    from trace_rl.options import NoOptions
 
-def __getattr__(name: str) -> object:
+
+def __getattr__(name: str):  # noqa: ANN202 - the type is the named object's (see the TYPE_CHECKING block)
     if name not in PUBLIC:
         raise AttributeError(f"module 'trace_rl' has no attribute {name!r}")
     value = getattr(import_module(PUBLIC[name]), name)

@@ -67,9 +67,6 @@ class Strict(BaseModel):
 
 
 # the attention and MLP projections of Llama-style decoders (Qwen2/3, Llama, Mistral): peft's names of their Linears
-# the version of trace-rl's numeric conventions that new runs follow (`Config.numerics`)
-NUMERICS = 2
-
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -417,7 +414,7 @@ class TrainerConfig(Strict):
 
     @property
     def uses_workers(self) -> bool:
-        """Whether training runs on persistent torchrun workers (trace_rl.trainer.workers), not in this process."""
+        """Whether training runs on persistent torchrun workers (trace_rl.trainer.launcher), not in this process."""
         return self.num_processes > 1 or self.cpu_offload or self.nnodes > 1
 
 
@@ -521,9 +518,6 @@ class Config(Strict):
     name: str = Field(..., min_length=1, description="run name: the run lives at <storage>/<name>/")
     steps: int = Field(10, gt=0, description="training steps, numbered from 1")
     seed: int = Field(0, description="seeds sampling, data and the trainer: same config + seed, same weights")
-    numerics: int = Field(NUMERICS, ge=1, le=NUMERICS, description="trace-rl's numeric conventions, recorded in "
-                          "every run's config.toml: 2 (from 2026-11-25) grpo's std unbiased, as TRL and verl; 1 before "
-                          "(population std), which replay of a run without the key keeps")
     storage: str = Field("runs", description="fsspec URL or local path")
     storage_options: StorageOptions = Field(
         default_factory=dict, description="fsspec options, e.g. S3 endpoint; credential values (key, secret, token, "

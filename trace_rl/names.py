@@ -4,7 +4,7 @@
 - Losses (channel kinds): an algorithm's channel feeds exactly one loss.
   - `rl`: values are per-token advantages A_t, trained by the importance-weighted policy gradient;
   - `ce`: values are per-token weights w_t, trained by weighted cross-entropy (negative log-likelihood).
-  Same-loss channels of a branch are summed into one training sample (`channels.aggregate`), and
+  Same-loss channels of a branch are summed into one training sample (`channels.sum_channels`), and
   `batch.parquet` has one `<loss>_values` / `<loss>_mask` column pair per loss.
 """
 

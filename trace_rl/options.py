@@ -1,10 +1,17 @@
-"""Readable problems from a pydantic ValidationError of an algorithm's or environment's own options."""
+"""Option models: the empty one, and readable problems from a pydantic ValidationError of an algorithm's, environment's
+or loss's own options (each declares its options as a pydantic model named `Options`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class NoOptions(BaseModel):
+    """The options of an extension that takes none: any key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def known_keys(model: type[BaseModel], loc: tuple) -> list[str]:

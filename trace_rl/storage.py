@@ -3,6 +3,7 @@
 Layout under `<storage>/<name>/` (see docs/storage.md):
 
     config.toml
+    trace-rl.json               the trace-rl version that started the run (trace_rl/version.py)
     steps/<step:06d>/traces.parquet | batch.parquet | metrics.json
     checkpoints/<step:06d>/...  + STABLE
     weights/<step:06d>/...      + STABLE
@@ -30,6 +31,7 @@ import fsspec
 
 from trace_rl import credentials
 from trace_rl.errors import RefusedError, StorageFullError
+from trace_rl.version import VERSION, VERSION_FILE, unreadable_version, version_record
 
 STABLE = "STABLE"
 NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -53,6 +55,20 @@ def first_unfinished_step(storage: RunStorage) -> int:
     if last is None:
         return 1
     return last if not storage.is_stable(storage.path("weights", step_name(last))) else last + 1
+
+
+def check_run_version(storage: RunStorage, flag: str) -> None:
+    """RefusedError when the run directory was written by a trace-rl release this one does not read."""
+    path = storage.path(VERSION_FILE)
+    older = unreadable_version(storage.read_bytes(path) if storage.exists(path) else None)
+    if older is not None:
+        raise RefusedError(f"{flag} {storage.url}: the run was written by trace-rl {older}, this is trace-rl "
+                           f"{VERSION}, which reads runs of its own release only (CHANGELOG.md); start it anew "
+                           f"(--overwrite) or use trace-rl {older}")
+
+
+def record_run_version(storage: RunStorage) -> None:
+    storage.write_atomic(storage.path(VERSION_FILE), version_record())
 
 
 class RunStorage:

@@ -11,7 +11,6 @@ import json
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trace_rl.data.channel import Channel
@@ -65,8 +64,8 @@ BATCH_SCHEMA = pa.schema(
         ("ref_logprobs", pa.list_(pa.float32())),
     ]
 )
-# columns a batch table may lack: `sampled` (older batches), `ref_logprobs` (only with [trainer.loss.kl])
-OPTIONAL_BATCH_COLUMNS = ("sampled", "ref_logprobs")
+# the column a batch table has only with [trainer.loss.kl]
+OPTIONAL_BATCH_COLUMNS = ("ref_logprobs",)
 
 
 def _message_row(message) -> dict:
@@ -169,11 +168,7 @@ def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
 
 
 def table_to_samples(table: pa.Table) -> list[TrainingSample]:
-    """The samples of a batch table. A table written before the `sampled` column existed reads as all-sampled:
-    every position at the sample's temperature, exactly as such a batch was trained then."""
-    if "sampled" not in table.column_names:
-        lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-        table = table.append_column("sampled", list_column([np.ones(n, np.bool_) for n in lengths], np.bool_))
+    """The samples of a batch table."""
     columns = {name: table.column(name) for name in BATCH_SCHEMA.names if name in table.column_names}
     samples = []
     for row in range(table.num_rows):
@@ -254,14 +249,7 @@ def write_traces(storage: RunStorage, step: int, traces: list[Trace]) -> str:
 
 def read_traces(storage: RunStorage, step: int) -> list[Trace]:
     path = storage.step_path(step, "traces.parquet")
-    table = read_table(storage, path)
-    if "policy_version" in table.column_names and "policy_step" not in table.column_names:
-        # the column's name in trace tables written before 2026-11-23
-        table = table.rename_columns(["policy_step" if name == "policy_version" else name
-                                      for name in table.column_names])
-    if "branch_trainable" not in table.column_names:  # trace tables written before 2026-11-25: every branch trains
-        table = table.append_column("branch_trainable", pa.array([True] * table.num_rows, pa.bool_()))
-    return table_to_traces(check_columns(table, TRACE_SCHEMA, storage.url_of_path(path)))
+    return table_to_traces(read_table(storage, path, TRACE_SCHEMA))
 
 
 def write_samples(storage: RunStorage, path: str, samples: list[TrainingSample]) -> str:

@@ -3,7 +3,7 @@ import pytest
 
 from tests.algorithms.helpers import reward_trace
 from trace_rl.data.channel import Channel
-from trace_rl.pipeline.channels import aggregate, channel_stats
+from trace_rl.pipeline.channels import sum_channels, channel_stats
 from trace_rl.storage import RunStorage
 from trace_rl.tables import read_batch, read_channels, write_batch, write_channels
 
@@ -34,7 +34,7 @@ def example():
 
 def test_same_loss_channels_sum_inside_their_masks_and_masks_or():
     traces, channels = example()
-    samples = aggregate(traces, channels)
+    samples = sum_channels(traces, channels)
     # b masks nothing and d has no channel: no samples for them
     assert [(s.trace_id, s.branch_index, s.env) for s in samples] == [("a", 0, "toy"), ("c", 0, "toy")]
     a, c = samples
@@ -56,7 +56,7 @@ def test_same_loss_channels_sum_inside_their_masks_and_masks_or():
 def test_aggregation_does_not_touch_the_channels():
     traces, channels = example()
     before = [c.values.copy() for c in channels]
-    aggregate(traces, channels)
+    sum_channels(traces, channels)
     for channel, values in zip(channels, before):
         np.testing.assert_array_equal(channel.values, values)
 
@@ -64,7 +64,7 @@ def test_aggregation_does_not_touch_the_channels():
 def test_samples_map_onto_batch_parquet(tmp_path):
     traces, channels = example()
     storage = RunStorage(str(tmp_path), "run")
-    samples = aggregate(traces, channels)
+    samples = sum_channels(traces, channels)
     write_batch(storage, 3, samples)
     again = read_batch(storage, 3)
     assert [s.trace_id for s in again] == ["a", "c"]

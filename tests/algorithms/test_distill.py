@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from trace_rl.algorithms import AlgorithmError, load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.data.trace import Branch, Trace
 
 from tests.algorithms.helpers import run
@@ -57,7 +57,7 @@ def rollouts(policy_runtime):
 async def distill(spec, models, traces):
     algorithm = load_algorithm(spec)
     await algorithm.setup(models)
-    return await run_algorithm(algorithm, traces)
+    return await apply_algorithm(algorithm, traces)
 
 
 def test_opd_advantage_is_reference_minus_inference_logprob(rollouts, reference_runtime):
@@ -141,4 +141,4 @@ def test_semaphore_follows_the_event_loop(reference_runtime, rollouts):
     algorithm = load_algorithm({"id": "opd", "max_concurrent": 2})
     run(algorithm.setup({"reference": reference_runtime}))
     for _ in range(2):
-        assert len(asyncio.run(run_algorithm(algorithm, rollouts[:2]))) == 2
+        assert len(asyncio.run(apply_algorithm(algorithm, rollouts[:2]))) == 2

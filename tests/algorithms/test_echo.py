@@ -3,9 +3,9 @@ import pytest
 
 from tests.algorithms.helpers import chat_branch, make_trace, run
 from trace_rl.algorithms import AlgorithmError, load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.data.trace import Branch
-from trace_rl.pipeline.channels import aggregate
+from trace_rl.pipeline.channels import sum_channels
 
 # 0 system | 1 user | 2 assistant (sampled, calls search) | 3 tool result | 4 assistant put there by the env
 # | 5 user feedback | 6 system notice | 7 assistant (sampled)
@@ -31,7 +31,7 @@ def trace(trace_id="t", messages=MESSAGES, layout=LAYOUT, **kw):
 
 
 def echo(spec, traces):
-    channels = run(run_algorithm(load_algorithm({"id": "echo", **spec}), traces))
+    channels = run(apply_algorithm(load_algorithm({"id": "echo", **spec}), traces))
     assert all(c.loss == "ce" for c in channels)
     return channels
 
@@ -70,7 +70,7 @@ def test_alpha_zero_still_counts_as_echo():
     traces = [trace()]
     [channel] = echo({"tool": False, "user": {"alpha": 0.0}}, traces)
     assert positions(channel) == [18, 19] and not channel.values.any()
-    [sample] = aggregate(traces, [channel])
+    [sample] = sum_channels(traces, [channel])
     assert np.flatnonzero(sample.ce_mask).tolist() == [18, 19] and not sample.ce_values.any()
 
 

@@ -9,14 +9,14 @@ import pytest
 
 from tests.algorithms.helpers import chat_branch, make_trace, reward_trace, run
 from trace_rl.algorithms import AlgorithmError, load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.config import Config
 from trace_rl.runs.loading import check_algorithms
 
 
 def advantages(spec, traces) -> dict[str, float]:
     """Each trace's advantage (the value on its last, sampled, token)."""
-    return {c.trace_id: float(c.values[-1]) for c in run(run_algorithm(load_algorithm(spec), traces))}
+    return {c.trace_id: float(c.values[-1]) for c in run(apply_algorithm(load_algorithm(spec), traces))}
 
 
 def long_trace(trace_id, reward, answer_tokens, group="g0"):

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from trace_rl.algorithms import AlgorithmError, load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 
 from tests.algorithms.helpers import reward_trace, run
 
 
 def advantages(algorithm, traces):
-    return [float(c.values[5]) for c in run(run_algorithm(algorithm, traces))]
+    return [float(c.values[5]) for c in run(apply_algorithm(algorithm, traces))]
 
 
 def test_baseline_per_agent_moves_after_each_advantage():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from trace_rl.algorithms import AlgorithmError, load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.data.trace import Branch
 
 from tests.algorithms.helpers import make_trace, reward_trace, run
@@ -11,7 +11,7 @@ SAMPLED = np.array([0, 0, 0, 0, 0, 1, 1, 1], bool)
 
 
 def channels_by_trace(algorithm, traces):
-    return {c.trace_id: c for c in run(run_algorithm(load_algorithm(algorithm), traces))}
+    return {c.trace_id: c for c in run(apply_algorithm(load_algorithm(algorithm), traces))}
 
 
 def test_grpo_centres_on_the_mean_of_ok_traces_only():
@@ -82,14 +82,14 @@ def test_token_zero_is_never_trained_even_when_sampled(spec):
     traces = [make_trace(t, [{"role": "assistant", "content": "x"}], [Branch(**{
         k: getattr(branch, k) for k in ("token_ids", "sampled", "logprobs", "message_index", "is_content")})],
         reward=r) for t, r in (("a", 1.0), ("b", 3.0))]
-    for channel in run(run_algorithm(load_algorithm(spec), traces)):
+    for channel in run(apply_algorithm(load_algorithm(spec), traces)):
         np.testing.assert_array_equal(channel.mask, [False, True, False])
 
 
 @pytest.mark.parametrize("spec", ["grpo", "max_rl", "rl", "rae", "sft"])
 def test_no_builtin_signals_untrainable_or_errored_traces(spec):
     traces = [reward_trace("judge", 1.0, trainable=False), reward_trace("broken", 1.0, error="env crashed")]
-    assert run(run_algorithm(load_algorithm(spec), traces)) == []
+    assert run(apply_algorithm(load_algorithm(spec), traces)) == []
 
 
 def test_unknown_option_is_named():

@@ -40,7 +40,7 @@ def test_full_size_refuses_a_machine_without_cuda():
 
 def test_the_full_size_model_is_qwen25_05b_shaped():
     """494M parameters counted from the architecture (the model itself is built only where the benchmark runs)."""
-    from tests.realistic import QWEN25_05B, VOCAB_SIZE
+    from trace_rl.models.realistic import QWEN25_05B, VOCAB_SIZE
 
     a = QWEN25_05B
     head_dim = a["hidden_size"] // a["num_attention_heads"]

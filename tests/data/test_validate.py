@@ -75,7 +75,7 @@ def test_source_names_where_remote_channels_came_from():
 def test_non_finite_advantages_from_a_real_algorithm_are_rejected_naming_env_trace_branch_and_algorithm():
     from tests.algorithms.helpers import run
     from trace_rl.algorithms.base import Algorithm, AlgorithmConfig
-    from trace_rl.algorithms.runner import run_algorithm
+    from trace_rl.algorithms.runner import apply_algorithm
 
     class Normalized(Algorithm):
         """(reward - mean) / std without an epsilon: NaN for a group whose rewards are all equal."""
@@ -94,7 +94,7 @@ def test_non_finite_advantages_from_a_real_algorithm_are_rejected_naming_env_tra
     traces = [reward_trace("a", 1.0), reward_trace("b", 0.0), reward_trace("c", 1.0, group="g1"),
               reward_trace("d", 1.0, group="g1")]
     algorithm = Normalized(AlgorithmConfig(id="normalized"))
-    channels = run(run_algorithm(algorithm, traces))
+    channels = run(apply_algorithm(algorithm, traces))
     assert [c.trace_id for c in channels] == ["a", "b", "c", "d"]
     assert np.isfinite(channels[0].values).all() and np.isnan(channels[2].values[5])
     with pytest.raises(DimensionError, match=r"env 'toy' trace 'c' branch 0 algorithm 'normalized': value at token 5 "

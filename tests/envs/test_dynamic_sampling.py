@@ -11,7 +11,7 @@ import pytest
 from trace_rl.config import Config, ConfigError
 from trace_rl.data.trace import Trace, group_traces
 from trace_rl.envs.base import Environment, Example, Sampler
-from trace_rl.pipeline.rollouts import sample_rollouts
+from trace_rl.pipeline.rollouts import play_rollouts
 from trace_rl.runs.loading import validate_config
 
 ENV = "tests.envs.test_dynamic_sampling:Coin"
@@ -41,7 +41,7 @@ class NoModel:
 
 
 def run(config: Config, step: int = 1):
-    return asyncio.run(sample_rollouts(config, {"policy": NoModel()}, step))
+    return asyncio.run(play_rollouts(config, {"policy": NoModel()}, step))
 
 
 def uniform(traces: list[Trace]) -> list[str]:

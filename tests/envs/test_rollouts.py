@@ -15,7 +15,7 @@ from trace_rl.config import Config
 from trace_rl.data.trace import Message, TraceError, group_traces
 from trace_rl.envs.base import Environment, Example
 from trace_rl.errors import RetryableError
-from trace_rl.pipeline.rollouts import RolloutError, sample_rollouts
+from trace_rl.pipeline.rollouts import RolloutError, play_rollouts
 
 
 def make_config(**inference) -> Config:
@@ -32,7 +32,7 @@ def make_config(**inference) -> Config:
 
 
 def run(config: Config, runtime, step: int = 0):
-    return asyncio.run(sample_rollouts(config, {"policy": runtime}, step))
+    return asyncio.run(play_rollouts(config, {"policy": runtime}, step))
 
 
 def test_groups_ids_temperatures_and_summary(runtime):

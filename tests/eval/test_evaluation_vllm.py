@@ -26,7 +26,8 @@ def vllm_config(storage: Path, name: str, **overrides):
 def test_eval_between_steps_on_vllm_leaves_the_weights_bitwise_identical(tmp_path, shared_vllm):
     from trace_rl.eval.evaluation import evaluate, evaluates_at
     from trace_rl.pipeline.session import Session
-    from trace_rl.pipeline.step import run_step, run_sync
+    from trace_rl.aio import run_sync
+    from trace_rl.pipeline.step import run_step
 
     weights = {}
     for name, overrides in (("plain", {}), ("evaluated", {"eval": EVAL})):

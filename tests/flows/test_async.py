@@ -77,12 +77,12 @@ def test_later_steps_are_sampled_as_their_own_task_runs_beside_training(prefect_
 
 
 def test_replay_of_an_async_run_reproduces_its_batches(prefect_api, async_run, tmp_path):
-    from flows.replay import replay
+    from flows.replay import replay_flow
     from trace_rl.algorithms.base import AlgorithmConfig
 
     _, config = async_run
     source = RunStorage(config.storage, config.name)
-    replay(run=source.url, algorithms=[AlgorithmConfig(id="grpo")], out=f"{tmp_path}/replayed")
+    replay_flow(run=source.url, algorithms=[AlgorithmConfig(id="grpo")], out=f"{tmp_path}/replayed")
     for step in range(1, STEPS + 1):
         original = pq.read_table(source.step_path(step, "batch.parquet"))
         assert pq.read_table(RunStorage.from_url(f"{tmp_path}/replayed").step_path(step, "batch.parquet")).equals(

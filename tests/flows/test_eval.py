@@ -138,7 +138,7 @@ def test_eval_with_async_sampling_scores_the_weights_of_its_step(runs):
     still scores `weights/4`, giving the synchronous run's numbers."""
     from trace_rl.eval.evaluation import evaluate
     from trace_rl.pipeline.session import session_for
-    from trace_rl.pipeline.step import run_sync
+    from trace_rl.aio import run_sync
 
     _, evaluated = runs
     before = pq.read_table(eval_dir(evaluated, 4) / "metrics.parquet")

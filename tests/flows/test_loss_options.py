@@ -46,11 +46,11 @@ def source_run(prefect_api, tmp_path_factory) -> RunStorage:
 def replayed_weights(run: RunStorage, out: str, overrides: list[str]) -> dict:
     from safetensors.numpy import load
 
-    from flows.replay import replay
+    from flows.replay import replay_flow
     from trace_rl.storage import step_name
 
     storage = RunStorage.from_url(out)
-    replay(run=run.url, algorithms=[AlgorithmConfig(id="grpo")], out=storage.url, train=True, overrides=overrides)
+    replay_flow(run=run.url, algorithms=[AlgorithmConfig(id="grpo")], out=storage.url, train=True, overrides=overrides)
     return load(storage.read_bytes(storage.path("weights", step_name(2), "model.safetensors")))
 
 

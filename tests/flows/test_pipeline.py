@@ -165,7 +165,7 @@ def test_failed_train_then_prefect_retry_reuses_the_finished_stages(prefect_api,
     storage.fs.rm(blocker)
     root = Path(__file__).resolve().parents[2]
     retry = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "retry", train_run["id"],
-                            "--entrypoint", "flows/train.py:train"], cwd=root, capture_output=True, text=True)
+                            "--entrypoint", "flows/train.py:train_flow"], cwd=root, capture_output=True, text=True)
     assert retry.returncode == 0, retry.stdout[-3000:] + retry.stderr[-3000:]
 
     assert httpx.get(f"{prefect_api}/flow_runs/{train_run['id']}").json()["state"]["name"] == "Completed"
@@ -176,12 +176,12 @@ def test_failed_train_then_prefect_retry_reuses_the_finished_stages(prefect_api,
 
 
 def test_replay_with_the_runs_own_algorithms_reproduces_its_batches(prefect_api, finished_run, tmp_path):
-    from flows.replay import replay
+    from flows.replay import replay_flow
     from trace_rl.algorithms.base import AlgorithmConfig
 
     source = RunStorage(finished_run.storage, finished_run.name)
     out = f"{tmp_path}/replayed"
-    summaries = replay(run=source.url, algorithms=[AlgorithmConfig(id="grpo")], out=out)
+    summaries = replay_flow(run=source.url, algorithms=[AlgorithmConfig(id="grpo")], out=out)
     assert [s["step"] for s in summaries] == [1, 2]
     for step in (1, 2):
         original = pq.read_table(source.step_path(step, "batch.parquet"))
@@ -190,63 +190,28 @@ def test_replay_with_the_runs_own_algorithms_reproduces_its_batches(prefect_api,
     assert summaries[0]["replayed"] == summaries[0]["original"]
 
 
-def test_replay_of_a_run_from_before_numerics_2_keeps_grpos_population_std(prefect_api, finished_run, tmp_path):
-    """A run whose config.toml has no `numerics` predates grpo's unbiased std: replaying it keeps the population std;
-    the same traces under today's numerics divide by the unbiased std, as TRL and verl do."""
-    import numpy as np
-
-    from flows.replay import replay
-    from trace_rl.algorithms.base import AlgorithmConfig
-    from trace_rl.data.trace import group_traces
-    from trace_rl.tables import read_batch, read_traces
-
-    source = RunStorage(finished_run.storage, finished_run.name)
-    legacy = RunStorage(str(tmp_path), "legacy")
-    source.fs.copy(source.root, legacy.root, recursive=True)
-    stored = source.read_bytes(source.path("config.toml")).decode()
-    assert "numerics = 2" in stored
-    legacy.write_atomic(legacy.path("config.toml"), stored.replace("numerics = 2\n", "").encode())
-    grpo_group = [AlgorithmConfig(id="grpo", scale="group")]
-    for run, ddof in ((legacy, 0), (source, 1)):
-        out = RunStorage(str(tmp_path), f"from-{run.name}-{ddof}")
-        replay(run=run.url, algorithms=grpo_group, out=out.url, steps="1:2")
-        spread_groups = 0
-        for step in (1, 2):
-            expected = {}
-            for group in group_traces(read_traces(run, step)).values():
-                rewards = np.array([t.reward for t in group])
-                spread_groups += rewards.std() > 0
-                for trace, reward in zip(group, rewards):
-                    expected[trace.id] = (reward - rewards.mean()) / (rewards.std(ddof=ddof) + 1e-6)
-            samples = read_batch(out, step)
-            assert len(samples) == len(expected) == 8
-            for sample in samples:
-                np.testing.assert_allclose(sample.rl_values[sample.rl_mask], expected[sample.trace_id], rtol=1e-6)
-        assert spread_groups > 0, "the test needs a group whose rewards differ"
-
-
 def test_replay_refuses_a_non_empty_out_unless_overwrite(prefect_api, finished_run, tmp_path):
-    from flows.replay import replay
+    from flows.replay import replay_flow
     from trace_rl.algorithms.base import AlgorithmConfig
     from trace_rl.errors import RefusedError
 
     source = RunStorage(finished_run.storage, finished_run.name).url
     out = f"{tmp_path}/again"
-    replay(run=source, algorithms=[AlgorithmConfig(id="grpo")], out=out, steps="1")
+    replay_flow(run=source, algorithms=[AlgorithmConfig(id="grpo")], out=out, steps="1")
     with pytest.raises(RefusedError, match="not empty.*--overwrite"):
-        replay(run=source, algorithms=[AlgorithmConfig(id="grpo")], out=out, steps="1")
-    summaries = replay(run=source, algorithms=[AlgorithmConfig(id="rl")], out=out, steps="2", overwrite=True)
+        replay_flow(run=source, algorithms=[AlgorithmConfig(id="grpo")], out=out, steps="1")
+    summaries = replay_flow(run=source, algorithms=[AlgorithmConfig(id="rl")], out=out, steps="2", overwrite=True)
     assert [s["step"] for s in summaries] == [2]
     assert not RunStorage.from_url(out).exists(RunStorage.from_url(out).step_path(1, "batch.parquet"))
 
 
 def test_replay_never_writes_over_the_source_run(prefect_api, finished_run):
-    from flows.replay import replay
+    from flows.replay import replay_flow
     from trace_rl.algorithms.base import AlgorithmConfig
 
     source = RunStorage(finished_run.storage, finished_run.name)
     with pytest.raises(ValueError, match="never writes over"):
-        replay(run=source.url, algorithms=[AlgorithmConfig(id="rl")], out=source.url)
+        replay_flow(run=source.url, algorithms=[AlgorithmConfig(id="rl")], out=source.url)
 
 
 def test_resume_after_a_death_between_checkpoint_and_weights_exports_them(prefect_api, tmp_path):

@@ -39,10 +39,10 @@ def built_runtimes(run: RunStorage, algorithms: list[AlgorithmConfig]) -> list:
 
 @pytest.mark.parametrize("train", [False, True], ids=["batches", "train"])
 def test_every_step_of_a_pruned_run_replays_through_grpo_and_echo_without_weights(pruned_run, tmp_path, train):
-    from flows.replay import replay
+    from flows.replay import replay_flow
 
     out = RunStorage.from_url(f"{tmp_path}/replayed")
-    summaries = replay(run=pruned_run.url, algorithms=GRPO_ECHO, out=out.url, train=train)
+    summaries = replay_flow(run=pruned_run.url, algorithms=GRPO_ECHO, out=out.url, train=train)
     assert [s["step"] for s in summaries] == [1, 2, 3]
     assert all(s["channels"]["channel/grpo/tokens"] > 0 for s in summaries)
     assert built_runtimes(pruned_run, GRPO_ECHO) == []  # no sampler, no weights loaded
@@ -52,11 +52,11 @@ def test_every_step_of_a_pruned_run_replays_through_grpo_and_echo_without_weight
 
 
 def test_opsd_on_steps_whose_weights_were_pruned_is_refused_before_anything_is_written(pruned_run, tmp_path):
-    from flows.replay import replay
+    from flows.replay import replay_flow
 
     out = tmp_path / "opsd"
     with pytest.raises(RefusedError) as refused:
-        replay(run=pruned_run.url, algorithms=[AlgorithmConfig(id="opsd")], out=str(out))
+        replay_flow(run=pruned_run.url, algorithms=[AlgorithmConfig(id="opsd")], out=str(out))
     message = str(refused.value)
     # step 2 samples with weights/1 (pruned); step 1 with the base model, step 3 with weights/2 (kept)
     assert "'opsd'" in message and "weights of step 1 were pruned" in message and "weights of steps 2:3:" in message

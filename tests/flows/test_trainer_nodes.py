@@ -21,8 +21,8 @@ from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import finish, output, start, train_here, weights
 from tests.trainer.test_nodes import finished, kill_node_one, start_node
 from trace_rl.storage import RunStorage
-from trace_rl.trainer.nodes import NODES, Channel, NodeSession
-from trace_rl.trainer.workers import stop_all
+from trace_rl.trainer.nodes import NODES, ControlDir, NodeSession
+from trace_rl.trainer.launcher import stop_all
 
 STEPS = 2  # node 1 is killed in the last one
 
@@ -62,10 +62,10 @@ def test_nodes_started_together_and_a_node_restarted_before_resume_on_a_new_port
     first, log = two_nodes(tmp_path, "first"), tmp_path / "node-1.log"
     node, run = start_node(first, log), start(first)  # together
 
-    def step_2_sent() -> Channel | None:
+    def step_2_sent() -> ControlDir | None:
         session = NodeSession.current(storage)
-        channel = session and Channel.in_storage(storage, NODES, session["id"])
-        return channel if channel and channel.read("command-1.json") is not None else None
+        control_dir = session and ControlDir.in_storage(storage, NODES, session["id"])
+        return control_dir if control_dir and control_dir.read("command-1.json") is not None else None
 
     wait_until(step_2_sent, "step 2's command")
     kill_node_one(step_2_sent(), node)

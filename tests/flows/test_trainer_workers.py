@@ -10,7 +10,7 @@ from trace_rl.machine import processes
 from trace_rl.pipeline.session import session_for
 from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
-from trace_rl.trainer.workers import stop_all
+from trace_rl.trainer.launcher import stop_all
 
 
 @pytest.mark.slow

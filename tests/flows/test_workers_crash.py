@@ -41,7 +41,7 @@ def test_killed_run_takes_its_workers_with_it_and_resumes_bitwise(prefect_api, t
         assert time.monotonic() < deadline, "kill point never reached"
         time.sleep(0.005)
     workers = {pid: stat(pid).start for pid in descendants(run.pid)
-               if "trace_rl.trainer.worker" in command(pid) and "torch.distributed.run" not in command(pid)}
+               if "trace_rl.trainer.rank" in command(pid) and "torch.distributed.run" not in command(pid)}
     assert len(workers) == 2, [command(pid) for pid in descendants(run.pid)]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone: its workers must not outlive it
     run.wait()

@@ -1,5 +1,5 @@
 """Model names resolve through the Hugging Face cache (trace_rl.models.hub), checked on the realistic fixture model
-(tests.realistic): found by hub id offline, pinned by commit, and a clear error for what is not cached."""
+(trace_rl.models.realistic): found by hub id offline, pinned by commit, and a clear error for what is not cached."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.realistic import VOCAB_SIZE
+from trace_rl.models.realistic import VOCAB_SIZE
 from trace_rl.config import ConfigError
 from trace_rl.models.hub import ModelNotFoundError, resolve_model_path
 from trace_rl.pipeline.colocation import runtime_configs

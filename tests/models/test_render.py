@@ -8,13 +8,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.realistic import chat_template
+from trace_rl.models.realistic import chat_template
 from trace_rl.data.trace import Message, ToolCall, Trace
 from trace_rl.models.render import Conversation, Renderer, RenderError
 from trace_rl.models.runtime import Generation
 from trace_rl.models.tiny import build_tokenizer
 
-QWEN_STYLE = chat_template()  # tests/qwen_style.jinja, the realistic fixture's template
+QWEN_STYLE = chat_template()  # trace_rl/models/qwen_style.jinja, the realistic fixture's template
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 
 

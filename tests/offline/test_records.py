@@ -63,10 +63,10 @@ def test_verifiers_reads_the_exported_records_with_the_same_branches_tokens_and_
 
 
 def test_replaying_the_records_through_the_runs_algorithm_writes_the_runs_batches(run, exported, tmp_path):
-    from flows.replay import replay
+    from flows.replay import replay_flow
 
     out = RunStorage.from_url(f"{tmp_path}/replayed")
-    summaries = replay(run=None, traces=exported, algorithms=[AlgorithmConfig(id="grpo")], out=out.url, train=True,
+    summaries = replay_flow(run=None, traces=exported, algorithms=[AlgorithmConfig(id="grpo")], out=out.url, train=True,
                        model="tiny")
     assert [s["step"] for s in summaries] == list(STEPS)
     assert all(s["channels"]["channel/grpo/tokens"] > 0 and s["original"] == {} for s in summaries)

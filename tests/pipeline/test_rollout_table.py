@@ -7,7 +7,7 @@ import pytest
 
 from tests.algorithms.helpers import chat_branch, make_trace, run
 from trace_rl.algorithms import load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.config import ConfigError, parse_config
 from trace_rl.pipeline.rollout_table import COLUMNS, choose, rollout_rows, shown
 
@@ -61,11 +61,11 @@ def test_random_keeps_trace_order_and_count_is_capped_by_the_traces():
 
 def test_advantage_is_the_summed_rl_value_and_empty_without_rl_channel():
     traces = step_traces()[:4]  # group a: rewards 0, 0.1, 0.2, 0.3
-    channels = [c for algorithm in ("grpo", "grpo") for c in run(run_algorithm(load_algorithm(algorithm), traces))]
+    channels = [c for algorithm in ("grpo", "grpo") for c in run(apply_algorithm(load_algorithm(algorithm), traces))]
     rows = rollout_rows(config(count=4, select="best"), 1, traces, channels)
     # two grpo channels summed: 2 * (r - 0.15)
     assert [(row["reward"], row["advantage"]) for row in rows] == [(0.3, 0.3), (0.2, 0.1), (0.1, -0.1), (0.0, -0.3)]
-    sft = run(run_algorithm(load_algorithm("sft"), traces))  # a ce channel: no advantage
+    sft = run(apply_algorithm(load_algorithm("sft"), traces))  # a ce channel: no advantage
     assert {row["advantage"] for row in rollout_rows(config(count=4), 1, traces, sft)} == {None}
     assert {row["policy_step"] for row in rows} == {0}
 

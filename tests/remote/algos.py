@@ -12,14 +12,14 @@ from pydantic import BaseModel, ConfigDict
 
 from trace_rl.algorithms.base import Algorithm
 from trace_rl.algorithms.distill import OPD
-from trace_rl.algorithms.registry import register
+from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.envs.registry import register_env
 from trace_rl.envs.reverse_text import ReverseText
 
 
-@register_env
+@register_env("remote-reverse-text")
 class RemoteReverseText(ReverseText):
-    id = "remote-reverse-text"
+    """reverse-text under another id: an env that only the env server's module registers."""
 
 
 def sampled_mask(branch) -> np.ndarray:
@@ -37,7 +37,7 @@ class PositionOptions(BaseModel):
     scale: float = 0.25
 
 
-@register("position_signal")
+@register_algorithm("position_signal")
 class PositionSignal(Algorithm):
     """rl values scale * (t + 1) on every branch of ok traces (masked to the sampled tokens); others left alone."""
 
@@ -52,7 +52,7 @@ class PositionSignal(Algorithm):
                     branch.advantages = position_values(len(branch), self.options.scale)
 
 
-@register("remote_opd")
+@register_algorithm("remote_opd")
 class RemoteOPD(OPD):
     """The builtin opd, env-owned: it scores with the model its runtime config describes, on the server."""
 
@@ -63,7 +63,7 @@ class SlowOptions(BaseModel):
     marker: str  # a file: the first request creates it and sleeps, later ones answer at once
 
 
-@register("slow_once")
+@register_algorithm("slow_once")
 class SlowOnce(Algorithm):
     loss = "ce"
     Options = SlowOptions
@@ -79,7 +79,7 @@ class SlowOnce(Algorithm):
                 branch.advantages = np.full(len(branch), 2.0, np.float32)
 
 
-@register("one_short")
+@register_algorithm("one_short")
 class OneShort(Algorithm):
     """A broken env algorithm: its values on the second trace's branch miss the last token."""
 
@@ -94,7 +94,7 @@ class OneShort(Algorithm):
         broken.advantages = broken.advantages[:-1]
 
 
-@register("step_centred")
+@register_algorithm("step_centred")
 class StepCentred(Algorithm):
     """A_i = r_i - mean of the rewards of every ok trace in the call: a batch-level statistic (`whole_step`)."""
 

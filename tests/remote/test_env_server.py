@@ -17,7 +17,7 @@ from tests.conftest import free_port
 from tests.remote.conftest import TOKEN, TOKEN_ENV, auth, env_server, get_health, server_command
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.algorithms.distill import OPD
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.config import EnvConfig, RemoteConfig
 from trace_rl.data.trace import Branch, Message, ToolCall, Trace
 from trace_rl.data.validate import DimensionError
@@ -91,7 +91,7 @@ def test_a_remote_algorithm_scores_with_the_model_its_runtime_config_names(serve
     async def local_opd():
         algorithm = OPD(AlgorithmConfig(id="opd"))
         await algorithm.setup({"reference": HFRuntime(reference)})
-        return await run_algorithm(algorithm, traces)
+        return await apply_algorithm(algorithm, traces)
 
     local = run(local_opd())
     assert [(c.trace_id, c.branch_index) for c in remote] == [(c.trace_id, c.branch_index) for c in local]

@@ -142,7 +142,7 @@ def test_train_overwrite_still_wipes_the_run_itself(tmp_path):
     run = make_run(str(tmp_path / "runs"), "a")
     (tmp_path / "runs" / "a" / "stale.txt").write_text("old")
     storage, first = prepare_run(run_config(str(tmp_path / "runs"), "a"), "overwrite")
-    assert first == 1 and files(tmp_path / "runs" / "a") == ["config.toml"]
+    assert first == 1 and files(tmp_path / "runs" / "a") == ["config.toml", "trace-rl.json"]
     assert storage.url == run.url
 
 
@@ -229,3 +229,24 @@ def test_a_storage_without_write_permission_is_one_error_naming_storage(tmp_path
     (tmp_path / "ro").mkdir(mode=0o500)
     with pytest.raises(RefusedError, match=r"storage = '.*/ro': cannot (create|write to) the run directory"):
         check_run(run_config(str(tmp_path / "ro"), "demo2"), "new")
+
+
+@pytest.mark.parametrize("recorded, version", [(None, "0.1"), (b'{"version": "0.1.7"}', "0.1.7")])
+def test_a_run_of_an_older_release_is_refused_by_resume_and_replay_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                               recorded, version):
+    from flows import cli
+    from trace_rl.version import VERSION, VERSION_FILE
+
+    monkeypatch.setattr(cli, "_prefect", lambda *a: pytest.fail("an older run started Prefect"))
+    run = finished_run(str(tmp_path / "runs"), 1)
+    assert run.read_json(run.path(VERSION_FILE)) == {"version": VERSION}
+    run.remove(run.path(VERSION_FILE))
+    if recorded is not None:
+        run.write_atomic(run.path(VERSION_FILE), recorded)
+    config = write_toml(tmp_path, storage=str(tmp_path / "runs"), steps=3)
+    refusal = (f"the run was written by trace-rl {version}, this is trace-rl {VERSION}, which reads runs of its own "
+               f"release only (CHANGELOG.md); start it anew (--overwrite) or use trace-rl {version}\n")
+    assert cli.main(["train", config, "--resume"]) == 2
+    assert capsys.readouterr().err == f"error: --resume {run.url}: {refusal}"
+    assert cli.main(["replay", "--run", run.url, "--algorithms", '["grpo"]', "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: --run {run.url}: {refusal}"

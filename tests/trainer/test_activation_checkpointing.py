@@ -32,7 +32,7 @@ def test_activation_checkpointing_recomputes_blocks_and_gives_the_same_step(make
     calls = block_calls(plain), block_calls(checkpointed)
 
     samples = make_batch(7)
-    a, b = plain.train_step(1, samples), checkpointed.train_step(1, samples)
+    a, b = plain.optimizer_step(1, samples), checkpointed.optimizer_step(1, samples)
     micro_batches = int(a["micro_batches"])
     assert calls[0][0] == micro_batches and calls[1][0] == 2 * micro_batches  # forward, then again in backward
     assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6

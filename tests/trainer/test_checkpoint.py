@@ -115,11 +115,11 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_goes_on(m
     config = make_config("background")
     store = storage_for(config)
     trainer = Trainer(config, store)
-    trainer.train_step(1, make_batch(101))
+    trainer.optimizer_step(1, make_batch(101))
     at_step_1 = {name: p.detach().clone() for name, p in trainer.module.named_parameters()}
     moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
     directory = trainer.save_checkpoint(1, {"step": 1}, background=True)
-    trainer.train_step(2, make_batch(102))  # changes the parameters and AdamW moments in place
+    trainer.optimizer_step(2, make_batch(102))  # changes the parameters and AdamW moments in place
     checkpoint.WRITER.wait()
     assert store.is_stable(directory) and checkpoint.load_part(store, 1, "extra_state") == {"step": 1}
     saved = checkpoint.load_part(store, 1, "model")
@@ -132,7 +132,7 @@ def test_a_failed_background_write_leaves_no_stable_marker_and_is_raised_by_the_
     config = make_config("failed")
     store = storage_for(config)
     trainer = Trainer(config, store)
-    trainer.train_step(1, make_batch(101))
+    trainer.optimizer_step(1, make_batch(101))
 
     def full_disk(local_dir, directory):
         store.fs.makedirs(directory, exist_ok=True)
@@ -161,7 +161,7 @@ def test_prune_keeps_the_checkpoint_being_written(make_config, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
     trainer = Trainer(config, store)
-    trainer.train_step(2, make_batch(102))
+    trainer.optimizer_step(2, make_batch(102))
     trainer.save_checkpoint(2, {}, background=True)
     started.wait(30)
     checkpoint.prune(store, 3, config)  # step 3 has no checkpoint: an unfinished older one would be removed

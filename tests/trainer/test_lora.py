@@ -132,7 +132,7 @@ def test_lora_learns_the_batch(lora_config):
 
     start = ce_logprob()
     for step in range(5):
-        trainer.train_step(step, samples)
+        trainer.optimizer_step(step, samples)
     assert ce_logprob() > start + 1.0
 
 

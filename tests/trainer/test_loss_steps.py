@@ -21,15 +21,15 @@ VARIANTS = [
 def test_one_or_several_micro_batches_give_the_same_step(make_config, loss):
     one = make_config("one", micro_batch_tokens=4096, loss=loss)
     several = make_config("several", micro_batch_tokens=48, loss=loss)
-    a = Trainer(one, storage_for(one)).train_step(0, make_batch(7))
-    b = Trainer(several, storage_for(several)).train_step(0, make_batch(7))
+    a = Trainer(one, storage_for(one)).optimizer_step(0, make_batch(7))
+    b = Trainer(several, storage_for(several)).optimizer_step(0, make_batch(7))
     assert a["micro_batches"] == 1 and b["micro_batches"] >= 3
     for name in ("loss", "loss/rl", "loss/ce", "grad_norm", "mismatch/token_ratio_mean", "mismatch/seq_ratio_max"):
         assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-7), name
 
 
 def test_another_policy_trains_differently_on_the_same_batch(make_config):
-    steps = {policy: Trainer(c, storage_for(c)).train_step(0, make_batch(7))
+    steps = {policy: Trainer(c, storage_for(c)).optimizer_step(0, make_batch(7))
              for policy in ("dppo", "cispo") for c in [make_config(policy, loss={"policy": policy})]}
     assert steps["dppo"]["grad_norm"] != pytest.approx(steps["cispo"]["grad_norm"], rel=1e-3)
     assert steps["dppo"]["trust_region_masked"] >= 0 and steps["cispo"]["trust_region_masked"] == 0.0

@@ -20,10 +20,10 @@ from tests.conftest import free_port
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.config import Config, config_to_toml
 from trace_rl.tables import write_batch
-from trace_rl.trainer.nodes import Channel, Heartbeat, NodeSession, heartbeat_interval
+from trace_rl.trainer.nodes import ControlDir, Heartbeat, NodeSession, heartbeat_interval
 from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.resume import TrainerError
-from trace_rl.trainer.workers import TrainerWorkers
+from trace_rl.trainer.launcher import TrainerWorkers
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -112,9 +112,9 @@ def test_two_nodes_train_like_one_process_and_resume_bitwise_after_node_one_dies
         failure: list[BaseException] = []
         thread = threading.Thread(target=lambda: capture(failure, train_one_step, config, store, 2, workers))
         thread.start()
-        while workers.channel.read("command-1.json") is None:  # step 2 was sent
+        while workers.control_dir.read("command-1.json") is None:  # step 2 was sent
             time.sleep(0.01)
-        kill_node_one(workers.channel, node)
+        kill_node_one(workers.control_dir, node)
         killed = time.monotonic()
         thread.join(180)
         assert not thread.is_alive()
@@ -140,10 +140,10 @@ def capture(failures: list, function, *args) -> None:
         failures.append(exc)
 
 
-def kill_node_one(channel: Channel, node: subprocess.Popen) -> None:
+def kill_node_one(control_dir: ControlDir, node: subprocess.Popen) -> None:
     """What a lost machine looks like: node 1's trainer-node, its torchrun and its rank (in a session of its own,
-    found in the session's `channel`) all SIGKILLed at once."""
-    ranks = [channel.read_json(name) for name in channel.names("ready-")]
+    found in the session's `control_dir`) all SIGKILLed at once."""
+    ranks = [control_dir.read_json(name) for name in control_dir.names("ready-")]
     os.killpg(node.pid, signal.SIGKILL)
     for ready in ranks:
         if ready["node"] == 1:
@@ -195,14 +195,14 @@ def test_trainer_node_waits_for_a_live_session_of_its_config_and_refuses_another
 
     store.write_atomic(store.path("config.toml"), config_to_toml(config).encode())
     left_behind = NodeSession.create(store, config)  # node 0 died in it: one heartbeat, never ended
-    Heartbeat(left_behind.channel, 0, 60).start().stop()
+    Heartbeat(left_behind.control_dir, 0, 60).start().stop()
     left_behind.publish()
     code, err, took = node_main(capsys, path, *other, "--wait-s", "1")
     assert code == 2 and f"its session {left_behind.id} has config hash" in err and "left by an earlier" in err, err
     assert took >= 1
 
     live = NodeSession.create(store, config)
-    heartbeat = Heartbeat(live.channel, 0, heartbeat_interval(config)).start()
+    heartbeat = Heartbeat(live.control_dir, 0, heartbeat_interval(config)).start()
     live.publish()
     try:
         code, err, took = node_main(capsys, path, *other, "--wait-s", "60")

@@ -242,7 +242,7 @@ LOSSES = [
 
 def step_gradients(config, samples) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     trainer = Trainer(config, storage_for(config))
-    metrics = trainer.train_step(0, samples)
+    metrics = trainer.optimizer_step(0, samples)
     return metrics, {name: p.grad.clone() for name, p in trainer.module.named_parameters() if p.grad is not None}
 
 

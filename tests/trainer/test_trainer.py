@@ -32,7 +32,7 @@ def test_step_trains_and_reports_metrics(make_config):
     trainer = Trainer(config, storage_for(config))
     before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     samples = make_batch(7)
-    metrics = trainer.train_step(0, samples)
+    metrics = trainer.optimizer_step(0, samples)
     rl = sum(int(s.rl_mask[1:].sum()) for s in samples)
     ce = sum(int(s.ce_mask[1:].sum()) for s in samples)
     assert metrics["tokens/rl"] == rl and metrics["tokens/ce"] == ce and rl > 0 and ce > 0
@@ -54,7 +54,7 @@ def test_step_without_masked_tokens_leaves_weights_unchanged(make_config):
     before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     samples = [dataclasses.replace(s, rl_mask=np.zeros(len(s), bool), ce_mask=np.zeros(len(s), bool))
                for s in make_batch(8)]
-    metrics = trainer.train_step(0, samples)
+    metrics = trainer.optimizer_step(0, samples)
     assert metrics["grad_norm"] == 0.0 and metrics["loss"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
 
@@ -109,7 +109,7 @@ def test_exported_weights_load_with_transformers(make_config):
     config = make_config()
     store = storage_for(config)
     trainer = Trainer(config, store)
-    trainer.train_step(0, make_batch(9))
+    trainer.optimizer_step(0, make_batch(9))
     directory = trainer.export_weights(0)
     assert store.is_stable(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -167,7 +167,7 @@ def test_bfloat16_step_and_export(make_config):
     config.model.dtype = "bfloat16"
     store = storage_for(config)
     trainer = Trainer(config, store)
-    metrics = trainer.train_step(0, make_batch(10))
+    metrics = trainer.optimizer_step(0, make_batch(10))
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     directory = trainer.export_weights(0)
     weights = load_file(f"{directory}/model.safetensors")
@@ -190,7 +190,7 @@ def test_bfloat16_keeps_float32_master_weights_that_learn(make_config):
     before = {name: p.detach().clone() for name, p in trainer.module.named_parameters()}
     initial = {name: w.to(torch.bfloat16) for name, w in load_file(f"{config.model.name}/model.safetensors").items()}
     for step in range(3):
-        trainer.train_step(step, make_batch(100 + step))
+        trainer.optimizer_step(step, make_batch(100 + step))
     params = dict(trainer.module.named_parameters())
     changed = sum(int((params[n].detach() != before[n]).sum()) for n in before)
     assert changed / sum(p.numel() for p in before.values()) > 0.99
@@ -219,7 +219,7 @@ def test_only_a_half_precision_dtype_turns_autocast_on(make_config):
 def test_truncated_importance_sampling_reports_the_capped_fraction(make_config):
     # the made-up sampler logprobs (-4.5 to -7) sit on both sides of the untrained model's ~ -5.8
     config = make_config(loss={"max_is_ratio": 1.0})
-    metrics = Trainer(config, storage_for(config)).train_step(0, make_batch(7))
+    metrics = Trainer(config, storage_for(config)).optimizer_step(0, make_batch(7))
     assert 0.2 < metrics["mismatch/is_capped_fraction"] < 0.8
 
 

@@ -13,7 +13,7 @@ import verifiers.v1 as vf  # the test extra installs it: a missing package fails
 from verifiers.v1.graph import prepare_turn  # noqa: E402
 
 from trace_rl.algorithms.lookup import load_algorithm  # noqa: E402
-from trace_rl.algorithms.runner import run_algorithm  # noqa: E402
+from trace_rl.algorithms.runner import apply_algorithm  # noqa: E402
 from trace_rl.data.trace import Branch, Message, Trace  # noqa: E402
 from trace_rl.verifiers.convert import (  # noqa: E402
     ConversionError, record_from_trace, trace_from_vf, untokenized, vf_from_trace,
@@ -120,7 +120,7 @@ def test_an_untrainable_branch_is_kept_and_never_trained():
 
     other = trace_from_vf(two_turns(prompt, spans=[(0, 3), (3, 7), (7, 10), (10, 13)]))
     other.id, other.reward = "other", 1.0
-    channels = asyncio.run(run_algorithm(load_algorithm("grpo"), [converted, other]))
+    channels = asyncio.run(apply_algorithm(load_algorithm("grpo"), [converted, other]))
     trained = {(c.trace_id, c.branch_index) for c in channels if c.mask.any()}
     assert (converted.id, 0) not in trained
     assert {(converted.id, 1), ("other", 0), ("other", 1)} <= trained

@@ -2,6 +2,6 @@
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmError
 from trace_rl.algorithms.lookup import load_algorithm
-from trace_rl.algorithms.registry import REGISTRY, register
+from trace_rl.algorithms.registry import ALGORITHMS, register_algorithm
 
-__all__ = ["REGISTRY", "Algorithm", "AlgorithmConfig", "AlgorithmError", "load_algorithm", "register"]
+__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmConfig", "AlgorithmError", "load_algorithm", "register_algorithm"]

@@ -11,16 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from trace_rl.config import AlgorithmConfig
 from trace_rl.data.trace import Trace
 from trace_rl.names import Loss
-from trace_rl.options import option_problems
-
-
-class NoOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from trace_rl.options import NoOptions, option_problems
 
 
 class AlgorithmError(ValueError):
@@ -39,9 +35,6 @@ class Algorithm:
     # reinforce_pp): the runner then hands `advantage` every group of the step in one call; it may be a
     # property of the options. On an env server, see docs/algorithms.md
     whole_step: ClassVar[bool] = False
-    # options whose default changed, keyed by the numerics version (`Config.numerics`) that still had the old
-    # default: a run recorded under that version keeps it unless its config sets the option
-    older_defaults: ClassVar[dict[int, dict[str, Any]]] = {}
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config

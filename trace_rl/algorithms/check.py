@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trace_rl.algorithms.base import AlgorithmError, validate_options
 from trace_rl.algorithms.lookup import is_import_path, resolve_algorithm_class
-from trace_rl.algorithms.registry import REGISTRY
+from trace_rl.algorithms.registry import ALGORITHMS
 from trace_rl.config import AlgorithmConfig, Config
 from trace_rl.imports import not_on_path
 from trace_rl.names import POLICY
@@ -36,7 +36,7 @@ def check_algorithm(where: str, algo: AlgorithmConfig, env_id: str, server: str 
             return [f"{where}: algorithm {algo.id!r}: {not_on_path(algo.id.partition(':')[0])}; or set env.server "
                     "to run it on an env server"]
         return [f"{where}: unknown algorithm {algo.id!r} for env {env_id!r}; builtin ids: "
-                f"{', '.join(sorted(REGISTRY))}; or an import path 'package.module:ClassName'; "
+                f"{', '.join(sorted(ALGORITHMS))}; or an import path 'package.module:ClassName'; "
                 "or set env.server to run env-owned algorithms remotely"]
     try:
         options = validate_options(cls, algo)

@@ -17,8 +17,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
-from trace_rl.algorithms.gather import gather_or_cancel
-from trace_rl.algorithms.registry import register
+from trace_rl.aio import gather_or_cancel
+from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
 from trace_rl.data.trace import Branch, Trace
 from trace_rl.names import POLICY
@@ -109,7 +109,7 @@ class TeacherDistillation(Algorithm):
         await gather_or_cancel(self.distill(trace, branch) for trace in ok_traces(traces) for branch in trace.branches)
 
 
-@register("opd")
+@register_algorithm("opd")
 class OPD(TeacherDistillation):
     """On-policy distillation: A_t = ref_logprob_t - inference_logprob_t on sampled tokens.
 
@@ -142,7 +142,7 @@ def demonstration(trace: Trace) -> str:
     return str(found)
 
 
-@register("opsd")
+@register_algorithm("opsd")
 class OPSD(TeacherDistillation):
     """On-policy self-distillation: A_t = log p(x_t | hint, x_<t) - inference_logprob_t on sampled tokens.
 

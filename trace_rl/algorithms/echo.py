@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
-from trace_rl.algorithms.registry import register
+from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.algorithms.signal import ok_traces
 from trace_rl.data.trace import Message, Trace
 
@@ -101,7 +101,7 @@ def first_holders(slots: np.ndarray, mask: np.ndarray, branch_of_token: np.ndarr
     return mask & (first[slots] == branch_of_token)
 
 
-@register("echo")
+@register_algorithm("echo")
 class Echo(Algorithm):
     """Per-role cross-entropy on observation tokens; by default tool results with alpha 0.1.
 

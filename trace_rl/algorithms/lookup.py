@@ -16,7 +16,7 @@ import trace_rl.algorithms.rae  # noqa: F401
 import trace_rl.algorithms.reward  # noqa: F401
 import trace_rl.algorithms.sft  # noqa: F401
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
-from trace_rl.algorithms.registry import REGISTRY
+from trace_rl.algorithms.registry import ALGORITHMS
 from trace_rl.config import AlgorithmConfig
 from trace_rl.imports import module_is_missing, not_on_path
 
@@ -30,8 +30,8 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
     such id, or the module itself does not exist: an env server may know it). A module that exists but fails
     to import (a missing dependency, an error inside it), or lacks the class, raises AlgorithmError naming
     the module and the original error: it is never taken for an unknown, remote algorithm."""
-    if algorithm_id in REGISTRY:
-        return REGISTRY[algorithm_id]
+    if algorithm_id in ALGORITHMS:
+        return ALGORITHMS[algorithm_id]
     if not is_import_path(algorithm_id):
         return None
     module_name, _, attr = algorithm_id.partition(":")
@@ -54,13 +54,6 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
     return cls
 
 
-def under_numerics(config: AlgorithmConfig, numerics: int) -> AlgorithmConfig:
-    """`config` with the defaults its algorithm had under numerics version `numerics`, where it leaves them unset."""
-    cls = resolve_algorithm_class(config.id)
-    older = cls.older_defaults.get(numerics, {}) if cls is not None else {}
-    return AlgorithmConfig(id=config.id, **{**older, **config.options}) if older else config
-
-
 def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm:
     config = AlgorithmConfig.parse(spec)
     cls = resolve_algorithm_class(config.id)
@@ -68,7 +61,7 @@ def load_algorithm(spec: str | Mapping[str, Any] | AlgorithmConfig) -> Algorithm
         raise AlgorithmError(f"algorithm {config.id!r}: {not_on_path(config.id.partition(':')[0])}")
     if cls is None:
         raise AlgorithmError(
-            f"unknown algorithm {config.id!r}; builtin ids: {', '.join(sorted(REGISTRY))}, "
+            f"unknown algorithm {config.id!r}; builtin ids: {', '.join(sorted(ALGORITHMS))}, "
             "or give an import path 'package.module:ClassName'"
         )
     return cls(config)

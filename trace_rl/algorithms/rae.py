@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
-from trace_rl.algorithms.registry import register
+from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
 from trace_rl.data.trace import Trace
 
@@ -27,7 +27,7 @@ def role_conditioned(reward: float, baseline: float, decay: float) -> tuple[floa
     return reward - baseline, decay * baseline + (1 - decay) * reward
 
 
-@register("rae")
+@register_algorithm("rae")
 class RAE(Algorithm):
     """A = r - b[key] on the trace's sampled tokens, b an exponential moving average of past rewards.
 

@@ -7,8 +7,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trace_rl.algorithms.base import Algorithm, AlgorithmError, NoOptions
-from trace_rl.algorithms.registry import REGISTRY, register
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
+from trace_rl.options import NoOptions
+from trace_rl.algorithms.registry import ALGORITHMS, register_algorithm
 from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
 from trace_rl.data.trace import Trace, group_traces
 
@@ -78,7 +79,7 @@ class GroupBaseline(Algorithm):
 
     @classmethod
     def check_config(cls, options: BaseModel, run_config: Any) -> list[str]:
-        ids = {key for key, registered in REGISTRY.items() if registered is cls}
+        ids = {key for key, registered in ALGORITHMS.items() if registered is cls}
         return [f"env.{index}.group_size = 1: a group of one rollout has advantage 0 on every trace; set "
                 f"env.{index}.group_size to 2 or more, or use 'rl'"
                 for index, env in enumerate(run_config.env)
@@ -139,7 +140,7 @@ class GRPOOptions(RewardOptions):
         return "group" if self.std_normalize else "none"
 
 
-@register("grpo")
+@register_algorithm("grpo")
 class GRPO(GroupBaseline):
     """A_i = (r_i - mean_group(r)) / scale on trace i's sampled tokens.
 
@@ -152,7 +153,6 @@ class GRPO(GroupBaseline):
 
     loss = "rl"
     Options = GRPOOptions
-    older_defaults = {1: {"std": "population"}}
 
     @property
     def whole_step(self) -> bool:
@@ -173,7 +173,7 @@ class GRPO(GroupBaseline):
             set_trace_advantages(group, (rewards - rewards.mean()) / (std + 1e-6))
 
 
-@register("rloo")
+@register_algorithm("rloo")
 class RLOO(GroupBaseline):
     """A_i = r_i - mean_{j != i} r_j over the group's ok traces (`leave_one_out`)."""
 
@@ -186,7 +186,7 @@ class RLOO(GroupBaseline):
             set_trace_advantages(traces, leave_one_out(shaped_rewards(traces, self.options)))
 
 
-@register("reinforce_pp")
+@register_algorithm("reinforce_pp")
 class ReinforcePlusPlus(GroupBaseline):
     """REINFORCE++ with the group-mean baseline (Hu 2025, arXiv 2501.03262; verl's reinforce_plus_plus_baseline):
     A_i = r_i - mean_group(r), then whitened over the step's rl tokens (`whitened`, each trace counted once
@@ -207,7 +207,7 @@ class ReinforcePlusPlus(GroupBaseline):
         set_trace_advantages(ordered, whitened(centred, tokens))
 
 
-@register("max_rl")
+@register_algorithm("max_rl")
 class MaxRL(GroupBaseline):
     """A_i = (r_i - mu) / mu when mu > 0, else 0; mu the mean reward of the group's ok traces.
 
@@ -230,7 +230,7 @@ class MaxRL(GroupBaseline):
             set_trace_advantages(traces, max_likelihood_normalized(rewards))
 
 
-@register("rl")
+@register_algorithm("rl")
 class REINFORCE(Algorithm):
     """Plain REINFORCE (Williams 1992): A_i = r_i on trace i's sampled tokens."""
 

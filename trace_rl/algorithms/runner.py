@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmConfig, AlgorithmError
-from trace_rl.algorithms.gather import gather_or_cancel
+from trace_rl.aio import gather_or_cancel
 from trace_rl.algorithms.lookup import load_algorithm
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Trace, group_traces
@@ -56,7 +56,7 @@ async def run_on_group(algorithm: Algorithm, group: list[Trace]) -> list[Channel
         clear(group)
 
 
-async def run_algorithm(algorithm: Algorithm, traces: list[Trace]) -> list[Channel]:
+async def apply_algorithm(algorithm: Algorithm, traces: list[Trace]) -> list[Channel]:
     """Run `algorithm` on every group of `traces` (groups concurrently, or all in one call for a `per_trace` or
     `whole_step` algorithm) and return its channels, group by group."""
     groups = group_traces(traces).values()
@@ -82,6 +82,6 @@ async def load_algorithms(
     return algorithms
 
 
-async def run_algorithms(algorithms: Sequence[Algorithm], traces: list[Trace]) -> dict[int, list[Channel]]:
+async def apply_algorithms(algorithms: Sequence[Algorithm], traces: list[Trace]) -> dict[int, list[Channel]]:
     """Run each algorithm in turn; channels keyed by the algorithm's position in the list."""
-    return {position: await run_algorithm(algorithm, traces) for position, algorithm in enumerate(algorithms)}
+    return {position: await apply_algorithm(algorithm, traces) for position, algorithm in enumerate(algorithms)}

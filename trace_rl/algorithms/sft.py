@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_rl.algorithms.base import Algorithm
-from trace_rl.algorithms.registry import register
+from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.algorithms.signal import ok_traces, set_on_sampled
 from trace_rl.data.trace import Trace
 from trace_rl.names import POLICY
@@ -18,7 +18,7 @@ class SFTOptions(BaseModel):
     weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="cross-entropy weight per sampled token")
 
 
-@register("sft")
+@register_algorithm("sft")
 class SFT(Algorithm):
     """Cross-entropy on the sampled tokens: L = -sum_t w * log pi_theta(x_t | x_<t), w = `weight` (1.0).
 

@@ -1,7 +1,7 @@
 """A channel: what one algorithm set on one branch (`(algorithm id, loss, values, mask)`).
 
 The algorithm runner makes one per branch an algorithm trained; channels of the same loss are summed
-into one training sample later (`trace_rl.pipeline.channels.aggregate`).
+into one training sample later (`trace_rl.pipeline.channels.sum_channels`).
 """
 
 from __future__ import annotations

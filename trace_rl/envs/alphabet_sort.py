@@ -25,7 +25,7 @@ NAMES = (
 )
 
 
-class AlphabetSortArgs(BaseModel):
+class AlphabetSortOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     turns: int = Field(2, ge=2, description="sorting turns; every turn after the first adds names")
     first_names: int = Field(3, ge=1, description="names in the first turn")
@@ -33,7 +33,7 @@ class AlphabetSortArgs(BaseModel):
     system_prompt: str | None = None
 
     @model_validator(mode="after")
-    def _enough_names(self) -> AlphabetSortArgs:
+    def _enough_names(self) -> AlphabetSortOptions:
         needed = self.first_names + self.added_names * (self.turns - 1)
         if needed > len(NAMES):
             raise ValueError(f"needs {needed} distinct names, only {len(NAMES)} exist; use fewer turns or names")
@@ -44,10 +44,9 @@ def answer_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-@register_env
+@register_env("alphabet-sort")
 class AlphabetSort(Environment):
-    id = "alphabet-sort"
-    Args = AlphabetSortArgs
+    Options = AlphabetSortOptions
 
     def make_example(self, rng: random.Random) -> dict:
         args = self.args

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from trace_rl.config import SamplingConfig
 from trace_rl.data.trace import Message, Trace
@@ -25,7 +25,7 @@ from trace_rl.errors import RetryableError
 from trace_rl.imports import module_is_missing, not_on_path
 from trace_rl.models.render import Conversation, Renderer
 from trace_rl.models.runtime import Generation, ModelRuntime
-from trace_rl.options import option_problems
+from trace_rl.options import NoOptions, option_problems
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -98,16 +98,13 @@ class Sampler:
             raise RetryableError(f"sampler timed out after {self.timeout_s}s") from exc
 
 
-class NoArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 class Environment:
-    """Base class. Subclasses set `id`, optionally `Args` (a pydantic model of `[env].args`), and
-    implement `make_example` (or `examples`) and `rollout`."""
+    """Base class. Subclasses are registered under their id (`@register_env("id")`, which sets `id`), optionally
+    set `Options` (a pydantic model of `[env].args`, held validated as `self.args`), and implement `make_example`
+    (or `examples`) and `rollout`."""
 
     id: ClassVar[str] = ""
-    Args: ClassVar[type[BaseModel]] = NoArgs
+    Options: ClassVar[type[BaseModel]] = NoOptions
 
     def __init__(self, args: Mapping[str, Any] | None = None):
         self.args = validate_args(type(self), dict(args or {}))
@@ -133,8 +130,10 @@ class Environment:
         return self.examples(derive_seed(run_seed, step, env_index, "refill", round_), count)
 
     @classmethod
-    def check(cls, args: BaseModel) -> None:
-        """Config-time checks beyond the args' schema (e.g. that a data set's files read); raises EnvError."""
+    def check_config(cls, options: BaseModel) -> list[str]:
+        """Problems with this env's validated `[env].args` beyond their schema (e.g. a data set's files that do not
+        read), checked at load time. Default: none."""
+        return []
 
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         raise NotImplementedError
@@ -155,9 +154,9 @@ class Environment:
 
 def validate_args(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
     try:
-        return cls.Args(**args)
+        return cls.Options(**args)
     except ValidationError as exc:
-        raise EnvError(f"env {cls.id!r}: " + "; ".join(option_problems(exc, cls.Args, "args."))) from None
+        raise EnvError(f"env {cls.id!r}: " + "; ".join(option_problems(exc, cls.Options, "args."))) from None
 
 
 def import_named(path: str, what: str) -> Any:

@@ -32,7 +32,7 @@ from trace_rl.envs.rewards import load_reward
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DatasetArgs(BaseModel):
+class DatasetOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | dict[str, str] = Field(..., description="a file or directory URL, or {split = URL, ...}")
     split: str = Field("train", description="which split (usually 'train', or 'eval' under [[eval.envs]])")
@@ -124,7 +124,7 @@ def read_datasets_dir(url: str, split: str) -> list[dict]:
     return loaded.to_list()
 
 
-def check_rows(url: str, rows: list[dict], args: DatasetArgs) -> list[tuple[list[Message], str]]:
+def check_rows(url: str, rows: list[dict], args: DatasetOptions) -> list[tuple[list[Message], str]]:
     """(prompt messages, answer) of every row; EnvError naming the file, row (from 1) and column of a bad one."""
     if not rows:
         raise EnvError(f"{url}: has no rows")
@@ -170,20 +170,19 @@ def parse_messages(where: str, value: Any) -> list[Message]:
 
 @functools.lru_cache(maxsize=16)
 def _load(args_json: str) -> tuple[tuple[list[Message], str], ...]:
-    args = DatasetArgs.model_validate_json(args_json)
+    args = DatasetOptions.model_validate_json(args_json)
     url = args.source
     return tuple(check_rows(url, read_source(url, args.format, args.split, args.storage_options), args))
 
 
-def load_rows(args: DatasetArgs) -> tuple[tuple[list[Message], str], ...]:
+def load_rows(args: DatasetOptions) -> tuple[tuple[list[Message], str], ...]:
     """The checked rows of the configured split, read once per process."""
     return _load(args.model_dump_json())
 
 
-@register_env
+@register_env("dataset")
 class Dataset(Environment):
-    id = "dataset"
-    Args = DatasetArgs
+    Options = DatasetOptions
 
     def __init__(self, args=None):
         super().__init__(args)
@@ -191,9 +190,13 @@ class Dataset(Environment):
         self.reward = load_reward(self.args.reward)
 
     @classmethod
-    def check(cls, args: DatasetArgs) -> None:
-        load_rows(args)
-        load_reward(args.reward)
+    def check_config(cls, options: DatasetOptions) -> list[str]:
+        try:
+            load_rows(options)
+            load_reward(options.reward)
+        except EnvError as exc:
+            return [str(exc)]
+        return []
 
     def order(self, run_seed: int, env_index: int, epoch: int) -> list[int]:
         """Row indices of one epoch: a permutation seeded by (run seed, env index, epoch), or the file order."""

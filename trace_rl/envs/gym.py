@@ -24,7 +24,7 @@ SYSTEM_PROMPT = ("Answer the question. Think step by step if you need to, then g
                  "<answer>answer here</answer>.")
 
 
-class GymArgs(BaseModel):
+class GymOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: str = Field(..., description="a reasoning-gym dataset name, e.g. 'basic_arithmetic'")
     options: dict[str, Any] = Field(default_factory=dict, description="the dataset's own config keys")
@@ -51,14 +51,17 @@ def reply_answer(reply: str) -> str:
     return reply.strip()
 
 
-@register_env
+@register_env("reasoning-gym")
 class ReasoningGym(Environment):
-    id = "reasoning-gym"
-    Args = GymArgs
+    Options = GymOptions
 
     @classmethod
-    def check(cls, args: GymArgs) -> None:
-        generate(args.task, json.dumps(args.options, sort_keys=True), 0, 1)
+    def check_config(cls, options: GymOptions) -> list[str]:
+        try:
+            generate(options.task, json.dumps(options.options, sort_keys=True), 0, 1)
+        except EnvError as exc:
+            return [str(exc)]
+        return []
 
     def dataset(self, seed: int, size: int):
         return generate(self.args.task, json.dumps(self.args.options, sort_keys=True), seed, size)

@@ -40,7 +40,7 @@ SYSTEM = (
 )
 
 
-class LinkNavArgs(BaseModel):
+class LinkNavOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pages: int = Field(6, ge=3, le=len(WORDS))
     links_per_page: int = Field(2, ge=1)
@@ -48,7 +48,7 @@ class LinkNavArgs(BaseModel):
     system_prompt: str = SYSTEM
 
     @model_validator(mode="after")
-    def _links(self) -> LinkNavArgs:
+    def _links(self) -> LinkNavOptions:
         if self.links_per_page >= self.pages:
             raise ValueError(f"links_per_page {self.links_per_page} must be below pages {self.pages}")
         return self
@@ -75,10 +75,9 @@ def describe(page: str, links: dict[str, list[str]]) -> str:
     return f"Page: {page}. Links: {', '.join(links[page])}."
 
 
-@register_env
+@register_env("link-nav")
 class LinkNav(Environment):
-    id = "link-nav"
-    Args = LinkNavArgs
+    Options = LinkNavOptions
 
     def make_example(self, rng: random.Random) -> dict:
         pages = rng.sample(WORDS, self.args.pages)

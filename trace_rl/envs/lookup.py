@@ -21,7 +21,7 @@ import trace_rl.envs.reverse_text  # noqa: F401
 import trace_rl.envs.verifiers  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS
-from trace_rl.envs.verifiers_server import VerifiersServerEnv
+from trace_rl.envs.verifiers_remote import VerifiersRemoteEnv
 
 
 def resolve_env_class(env_id: str) -> type[Environment]:
@@ -50,13 +50,13 @@ def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: S
     """The env; with `verifiers_server` (an `EnvConfig.verifiers_server`) the verifiers env played on it."""
     add_import_paths(import_paths)
     if verifiers_server is not None:
-        return VerifiersServerEnv(args, verifiers_server)
+        return VerifiersRemoteEnv(args, verifiers_server)
     return resolve_env_class(env_id)(args)
 
 
 def check_envs(config) -> list[str]:
     """Config-time check of every `[[env]]` and `[[eval.envs]]` (run by `trace_rl.runs.loading.check_config`): a known
-    id, valid `args` and whatever else the env checks (`Environment.check`)."""
+    id, valid `args` and whatever else the env checks (`Environment.check_config`)."""
     where = [(f"env.{i}", env) for i, env in enumerate(config.env)]
     if config.eval is not None:
         where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
@@ -76,8 +76,8 @@ def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Se
                 f"{os.getcwd()}); fix the path or run trace-rl from the folder it is relative to"]
     add_import_paths(import_paths)
     try:
-        cls = VerifiersServerEnv if verifiers_server is not None else resolve_env_class(env_id)
-        cls.check(validate_args(cls, dict(args)))
+        cls = VerifiersRemoteEnv if verifiers_server is not None else resolve_env_class(env_id)
+        options = validate_args(cls, dict(args))
     except EnvError as exc:
         return [f"{where}: {exc}"]
-    return []
+    return [f"{where}: {problem}" for problem in cls.check_config(options)]

@@ -22,7 +22,7 @@ SEATS = ("player_a", "player_b")
 INTEGER = re.compile(r"-?\d+")
 
 
-class NumberDebateArgs(BaseModel):
+class NumberDebateOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rounds: int = Field(2, ge=1)
     max_operand: int = Field(9, ge=1)
@@ -41,10 +41,9 @@ def judge(correct: list[bool]) -> list[float]:
     return [float(c) for c in correct]
 
 
-@register_env
+@register_env("number-debate")
 class NumberDebate(Environment):
-    id = "number-debate"
-    Args = NumberDebateArgs
+    Options = NumberDebateOptions
 
     def make_example(self, rng: random.Random) -> dict:
         a, b = rng.randint(0, self.args.max_operand), rng.randint(0, self.args.max_operand)

@@ -1,4 +1,4 @@
-"""The registry of environment ids: `@register_env` adds a class under its `id`; the builtins register theirs
+"""The registry of environment ids: `@register_env("id")` adds a class under an id (and sets its `id`); the builtins register theirs
 when `trace_rl.envs.lookup` imports them, a plugin when its module is imported."""
 
 from __future__ import annotations
@@ -9,11 +9,14 @@ from trace_rl.envs.base import EnvError, Environment
 ENVIRONMENTS: dict[str, type[Environment]] = {}
 
 
-def register_env(cls: type[Environment]) -> type[Environment]:
-    """Class decorator adding an environment to the registry under its `id`."""
-    if not cls.id:
-        raise EnvError(f"{cls.__name__} needs a class attribute `id` to be registered")
-    if ENVIRONMENTS.get(cls.id, cls) is not cls:
-        raise EnvError(f"environment id {cls.id!r} is already registered")
-    ENVIRONMENTS[cls.id] = cls
-    return cls
+def register_env(env_id: str):
+    """Class decorator adding an environment to the registry under `env_id`, which becomes its `id`."""
+
+    def add(cls: type[Environment]) -> type[Environment]:
+        if ENVIRONMENTS.get(env_id, cls) is not cls:
+            raise EnvError(f"environment id {env_id!r} is already registered")
+        cls.id = env_id
+        ENVIRONMENTS[env_id] = cls
+        return cls
+
+    return add

@@ -18,7 +18,7 @@ from trace_rl.envs.registry import register_env
 from trace_rl.envs.similarity import similarity
 
 
-class ReverseTextArgs(BaseModel):
+class ReverseTextOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     min_length: int = Field(3, ge=1)
     max_length: int = Field(6, ge=1)
@@ -27,16 +27,15 @@ class ReverseTextArgs(BaseModel):
     system_prompt: str | None = None
 
     @model_validator(mode="after")
-    def _lengths(self) -> ReverseTextArgs:
+    def _lengths(self) -> ReverseTextOptions:
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} > max_length {self.max_length}")
         return self
 
 
-@register_env
+@register_env("reverse-text")
 class ReverseText(Environment):
-    id = "reverse-text"
-    Args = ReverseTextArgs
+    Options = ReverseTextOptions
 
     def make_example(self, rng: random.Random) -> dict:
         length = rng.randint(self.args.min_length, self.args.max_length)

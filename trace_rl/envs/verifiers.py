@@ -39,7 +39,7 @@ RUNTIME_NEEDS = {
 }
 
 
-class VerifiersArgs(BaseModel):
+class VerifiersOptions(BaseModel):
     """`[env.args]`: a verifiers `EnvConfig`, checked by verifiers itself (`VerifiersEnv.check`)."""
 
     model_config = ConfigDict(extra="allow")
@@ -195,10 +195,9 @@ class Serving:
                 await asyncio.gather(holder, return_exceptions=True)
 
 
-@register_env
+@register_env("verifiers")
 class VerifiersEnv(Environment):
-    id = "verifiers"
-    Args = VerifiersArgs
+    Options = VerifiersOptions
     plays_here = True  # the episodes play in this process, in the runtimes of this machine
 
     def __init__(self, args=None):
@@ -209,8 +208,12 @@ class VerifiersEnv(Environment):
         self._serving: Serving | None = None
 
     @classmethod
-    def check(cls, args: BaseModel) -> None:
-        env_config(args.model_dump(), cls.plays_here)
+    def check_config(cls, options: BaseModel) -> list[str]:
+        try:
+            env_config(options.model_dump(), cls.plays_here)
+        except EnvError as exc:
+            return [str(exc)]
+        return []
 
     @property
     def vf_env(self):

@@ -22,6 +22,7 @@ from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.config import Config, ConfigError, apply_override
 from trace_rl.data.sample import TrainingSample
 from trace_rl.data.trace import Trace
+from trace_rl.aio import run_sync
 from trace_rl.errors import RefusedError
 from trace_rl.names import LOSS_NAMES, POLICY
 from trace_rl.pipeline.channels import channel_stats
@@ -33,12 +34,11 @@ from trace_rl.pipeline.step import (
     algorithm_jobs,
     channels_path,
     compute_channels,
-    run_sync,
     validate_dimensions,
     write_batch,
 )
 from trace_rl.runs.loading import validate_config
-from trace_rl.storage import RunStorage, check_wipe, overlap
+from trace_rl.storage import RunStorage, check_run_version, check_wipe, overlap
 from trace_rl.tables import read_batch, read_traces, write_channels, write_traces
 
 
@@ -234,8 +234,8 @@ def source_config(run_url: str, storage_options: dict[str, Any] | None = None, o
     path = storage.path("config.toml")
     if not storage.exists(path):
         raise ConfigError([f"{flag} {run_url}: no config.toml there; is it a trace-rl run directory?"])
+    check_run_version(storage, flag)
     local = tomllib.loads(storage.read_bytes(path).decode())
-    local.setdefault("numerics", 1)  # a run's config.toml records it since numerics 2: without it, the run predates
     for assignment in overrides:
         apply_override(local, assignment)
     local["storage"], local["name"] = run_url.rstrip("/").rpartition("/")[::2]

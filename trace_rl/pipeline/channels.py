@@ -31,7 +31,7 @@ def combine(channels: Sequence[Channel], tokens: int) -> tuple[np.ndarray, np.nd
     return (values if values.dtype == np.float32 else values.astype(np.float32)), mask
 
 
-def aggregate(traces: list[Trace], channels: list[Channel]) -> list[TrainingSample]:
+def sum_channels(traces: list[Trace], channels: list[Channel]) -> list[TrainingSample]:
     """One sample per branch with at least one masked token, in trace and branch order.
 
     A loss with a single channel shares that channel's mask array with the sample.

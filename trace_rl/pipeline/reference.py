@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from trace_rl.algorithms.gather import gather_or_cancel
+from trace_rl.aio import gather_or_cancel
 from trace_rl.config import Config
 from trace_rl.data.sample import TrainingSample
 

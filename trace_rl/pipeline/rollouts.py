@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel
 
-from trace_rl.algorithms.gather import gather_or_cancel
+from trace_rl.aio import gather_or_cancel
 from trace_rl.config import Config
 from trace_rl.data.trace import Trace, TraceError, group_traces
 from trace_rl.envs.base import Environment, Example, Sampler, derive_seed
@@ -109,7 +109,7 @@ async def run_rollout(
     raise AssertionError("unreachable")
 
 
-async def sample_rollouts(
+async def play_rollouts(
     config: Config, runtimes: Mapping[str, ModelRuntime], step: int
 ) -> tuple[list[Trace], RolloutSummary]:
     runtime = runtimes[config.actor]

@@ -12,20 +12,20 @@ base model; with `[async]`, of an earlier step: trace_rl.pipeline.schedule) and 
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from trace_rl.aio import run_sync
 from trace_rl.algorithms.base import AlgorithmConfig
-from trace_rl.algorithms.lookup import load_algorithm, under_numerics
+from trace_rl.algorithms.lookup import load_algorithm
 from trace_rl.config import Config
 from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Trace
 from trace_rl.data.validate import validate_channels
 from trace_rl.names import LOSS_NAMES, POLICY
-from trace_rl.pipeline.channels import aggregate, channel_stats
+from trace_rl.pipeline.channels import channel_stats, sum_channels
+from trace_rl.pipeline.rollout_table import rollout_rows
 from trace_rl.pipeline.schedule import check_staleness, lag_metrics
 from trace_rl.pipeline.session import Session
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
@@ -54,7 +54,7 @@ def algorithm_jobs(config: Config) -> list[AlgorithmJob]:
     """The step's algorithm tasks in first-listed order; one per distinct (config, server) pair."""
     jobs: dict[tuple[str, str | None], tuple[AlgorithmConfig, list[str]]] = {}
     for env in config.env:
-        for algo in (under_numerics(a, config.numerics) for a in config.algorithms_for(env)):
+        for algo in config.algorithms_for(env):
             server = remote_server_for(env, algo)
             key = (algo.model_dump_json(), server)
             jobs.setdefault(key, (algo, []))[1].append(env.id)
@@ -71,14 +71,16 @@ def channels_path(storage: RunStorage, step: int, job: AlgorithmJob, suffix: str
 # -- stages -------------------------------------------------------------------------------
 
 
-async def sample_rollouts(session: Session, step: int) -> dict:
+def sample_rollouts(session: Session, step: int) -> dict:
     """The step's traces, sampled with the weights the schedule gives it (trace_rl.pipeline.schedule); `seconds` is what
     sampling took, wherever it ran (with `[async]`, often during an earlier step's training)."""
-    from trace_rl.pipeline.rollouts import sample_rollouts as sample
+    from trace_rl.pipeline.rollouts import play_rollouts
+
+    async def play() -> tuple:
+        return await play_rollouts(session.config, await session.models_at(step), step)
 
     started = time.perf_counter()
-    models = await session.models_at(step)
-    traces, summary = await sample(session.config, models, step)
+    traces, summary = run_sync(play())
     path = write_traces(session.storage, step, traces)
     metrics = summary.metrics()
     if session.config.actor == POLICY:
@@ -97,20 +99,21 @@ async def compute_channels(
             job.server, job.config, traces, session.runtimes.configs, session.config.remote
         )
         return channels, {}
-    from trace_rl.algorithms.runner import run_algorithm as run_local
+    from trace_rl.algorithms.runner import apply_algorithm
 
     algorithm = load_algorithm(job.config)
     await algorithm.setup(await session.models_for(step, algorithm.models_used(algorithm.options)))
     algorithm.load_state_dict(state)
-    channels = await run_local(algorithm, traces)
+    channels = await apply_algorithm(algorithm, traces)
     return channels, algorithm.state_dict()
 
 
-async def run_algorithm(session: Session, step: int, job: AlgorithmJob) -> dict:
+def run_algorithm(session: Session, step: int, job: AlgorithmJob) -> dict:
     """The stage: channels (and state, if the algorithm keeps any) written next to the step's traces."""
     storage = session.storage
     traces = read_traces(storage, step)
-    channels, state = await compute_channels(session, step, job, traces, previous_algorithm_state(session, step, job))
+    channels, state = run_sync(compute_channels(session, step, job, traces,
+                                                previous_algorithm_state(session, step, job)))
     path = channels_path(storage, step, job, "parquet")
     write_channels(storage, path, channels)
     if state:
@@ -152,15 +155,18 @@ def validate_dimensions(session: Session, step: int, channel_paths: list[str], o
 
 def aggregate_channels(session: Session, step: int, channel_paths: list[str], out: RunStorage | None = None) -> dict:
     """One training sample per branch, same-loss channels summed, into the step's `aggregated.parquet`: its URL
-    (`aggregated`) and the batch's token counts (`stats`)."""
+    (`aggregated`), the batch's token counts (`stats`) and the rows of the step's rollout table (`rollouts`,
+    trace_rl.pipeline.rollout_table), which the flow shows in the UI."""
     out = out or session.storage
-    samples = aggregate(*read_step(session, step, channel_paths, out))
+    traces, channels = read_step(session, step, channel_paths, out)
+    samples = sum_channels(traces, channels)
     stats = {
         "samples": len(samples),
         "tokens": int(sum(len(s) for s in samples)),
         **{f"{loss}_tokens": int(sum(getattr(s, f"{loss}_mask").sum() for s in samples)) for loss in LOSS_NAMES},
     }
-    return {"aggregated": write_samples(out, out.step_path(step, AGGREGATED), samples), "stats": stats}
+    return {"aggregated": write_samples(out, out.step_path(step, AGGREGATED), samples), "stats": stats,
+            "rollouts": rollout_rows(session.config, step, traces, channels)}
 
 
 def write_batch(session: Session, step: int, aggregated: str, out: RunStorage | None = None) -> dict:
@@ -190,15 +196,15 @@ def train(session: Session, step: int, algorithm_states: dict[str, str]) -> dict
         return {"weights": weights, "metrics": metrics, "reused_checkpoint": True}
     states = {key: storage.read_json(path) for key, path in algorithm_states.items() if storage.exists(path)}
     run_sync(session.sleep_engines())
-    metrics = session.trainer.train(step, extra_state={"algorithms": states})
+    metrics = session.trainer.run_step(step, extra_state={"algorithms": states})
     storage.write_json(metrics_path, metrics)
     return {"weights": weights, "metrics": metrics}
 
 
-async def broadcast_weights(session: Session, step: int) -> dict:
+def broadcast_weights(session: Session, step: int) -> dict:
     """Make the sampler run the weights step `step + 1` samples with (those of `step`, without `[async]`), after
     waking the engines that slept for a colocated trainer."""
-    await session.after_training(step)
+    run_sync(session.after_training(step))
     return {"policy_step": session.policy_step}
 
 
@@ -212,31 +218,15 @@ def write_metrics(storage: RunStorage, step: int, metrics: dict) -> str:
     return path
 
 
-def run_sync(coroutine):
-    """Run a coroutine to completion from sync code, also where this thread already runs an event loop
-    (e.g. a flow executed by `prefect flow-run retry`): then on a fresh thread with its own loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
-
-
 def run_step(session: Session, step: int) -> dict:
     """The whole step without an orchestrator, stage by stage (what bench/step.py compares Prefect to)."""
-
-    async def run() -> dict:
-        rollouts = await sample_rollouts(session, step)
-        jobs = algorithm_jobs(session.config)
-        results = [await run_algorithm(session, step, job) for job in jobs]
-        paths = [r["channels"] for r in results]
-        validate_dimensions(session, step, paths)
-        aggregated = aggregate_channels(session, step, paths)
-        batch = write_batch(session, step, aggregated["aggregated"])
-        trained = train(session, step, algorithm_state_paths(session.storage, step, jobs))
-        await broadcast_weights(session, step)
-        return {"rollouts": rollouts, "algorithms": results, "aggregate": aggregated, "batch": batch,
-                "train": trained}
-
-    return run_sync(run())
+    rollouts = sample_rollouts(session, step)
+    jobs = algorithm_jobs(session.config)
+    results = [run_algorithm(session, step, job) for job in jobs]
+    paths = [r["channels"] for r in results]
+    validate_dimensions(session, step, paths)
+    aggregated = aggregate_channels(session, step, paths)
+    batch = write_batch(session, step, aggregated["aggregated"])
+    trained = train(session, step, algorithm_state_paths(session.storage, step, jobs))
+    broadcast_weights(session, step)
+    return {"rollouts": rollouts, "algorithms": results, "aggregate": aggregated, "batch": batch, "train": trained}

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from trace_rl.algorithms.base import AlgorithmConfig
-from trace_rl.algorithms.gather import gather_or_cancel
+from trace_rl.aio import gather_or_cancel
 from trace_rl.algorithms.lookup import resolve_algorithm_class
 from trace_rl.config import EnvConfig, RemoteConfig
 from trace_rl.data.channel import Channel

@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request, Response
 from pydantic import ValidationError
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
-from trace_rl.algorithms.registry import REGISTRY
-from trace_rl.algorithms.runner import load_algorithms, run_algorithms
+from trace_rl.algorithms.registry import ALGORITHMS
+from trace_rl.algorithms.runner import apply_algorithms, load_algorithms
 from trace_rl.data.trace import TraceError
 from trace_rl.inference.build import build_runtime
 from trace_rl.models.runtime import ModelRuntime, RuntimeConfig
@@ -153,20 +153,20 @@ def import_allowed(entries: list[str]) -> Allowed:
     from trace_rl.envs.base import Environment
     from trace_rl.envs.registry import ENVIRONMENTS
 
-    builtin_algorithms, builtin_envs = dict(REGISTRY), dict(ENVIRONMENTS)
+    builtin_algorithms, builtin_envs = dict(ALGORITHMS), dict(ENVIRONMENTS)
     if os.getcwd() not in sys.path:  # like `python -m`: modules next to where the server starts are importable
         sys.path.insert(0, os.getcwd())
     classes: set[type] = set()
     paths: set[str] = set()
     for entry in entries:
         module_name, _, attr = entry.partition(":")
-        before = set(REGISTRY.values()) | set(ENVIRONMENTS.values())
+        before = set(ALGORITHMS.values()) | set(ENVIRONMENTS.values())
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise EnvServerError(f"--allow {entry}: cannot import module {module_name!r} ({exc})") from exc
         if not attr:
-            added = (set(REGISTRY.values()) | set(ENVIRONMENTS.values())) - before
+            added = (set(ALGORITHMS.values()) | set(ENVIRONMENTS.values())) - before
             if not added:
                 raise EnvServerError(f"--allow {entry}: importing it registered no algorithm or env; allow its "
                                      "classes one by one with --allow module:Class")
@@ -179,8 +179,8 @@ def import_allowed(entries: list[str]) -> Allowed:
         classes.add(cls)
         if issubclass(cls, Algorithm):
             paths.add(entry)
-    registered = {id_ for id_, cls in REGISTRY.items() if cls in classes and id_ not in builtin_algorithms}
-    unregistered = {path for path in paths if resolve(path) not in REGISTRY.values()}  # listed by their path
+    registered = {id_ for id_, cls in ALGORITHMS.items() if cls in classes and id_ not in builtin_algorithms}
+    unregistered = {path for path in paths if resolve(path) not in ALGORITHMS.values()}  # listed by their path
     envs = {id_ for id_, cls in ENVIRONMENTS.items() if cls in classes and id_ not in builtin_envs}
     return Allowed(frozenset(registered | paths | set(builtin_algorithms)),
                    Health(envs=sorted(envs), algorithms=sorted(registered | unregistered)))
@@ -292,7 +292,7 @@ def create_app(allowed: Allowed, limits: Limits = Limits(), tokens: frozenset[st
                     raise Refused(409, f"algorithm {algorithm.id!r} needs the whole step in one request "
                                        "(whole_step = true), got one group; the trainer then resends every group "
                                        "of the step at once")
-            channels = await run_algorithms(algorithms, traces)
+            channels = await apply_algorithms(algorithms, traces)
         except AlgorithmError as exc:
             raise Refused(422, str(exc)) from None
         except Refused:

@@ -9,7 +9,7 @@ from trace_rl.config import Config, config_hash, config_to_toml
 from trace_rl.errors import RefusedError
 from trace_rl.runs.loading import check_config
 from trace_rl.runs.preflight import check_reachable
-from trace_rl.storage import RunStorage, check_wipe, eval_dir, first_unfinished_step
+from trace_rl.storage import RunStorage, check_run_version, check_wipe, eval_dir, first_unfinished_step, record_run_version
 
 logger = logging.getLogger(__name__)
 Mode = Literal["new", "resume", "overwrite"]
@@ -35,6 +35,8 @@ def check_run(config: Config, mode: Mode) -> RunStorage:
         )
     if mode == "overwrite":
         check_wipe(storage, "--overwrite")
+    if mode == "resume" and run_exists(storage):
+        check_run_version(storage, "--resume")
     return storage
 
 
@@ -88,6 +90,7 @@ def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
             logger.warning("resuming %s with a changed config (config hash now %s); finished stages made from the "
                            "old config are not reused", storage.url, config_hash(config))
     storage.write_atomic(config_path, config_to_toml(config).encode())
+    record_run_version(storage)
     for note in config.trainer.loss.notes:
         logger.warning(note)
     first = first_unfinished_step(storage)

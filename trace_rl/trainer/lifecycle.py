@@ -2,7 +2,7 @@
 
 `RunTrainer` is what training (the pipeline's `train` stage, through the session), replay's `--train` and the
 session use. With `trainer.uses_workers` (num_processes > 1, or `trainer.cpu_offload`) it hands each step to the
-run's torchrun workers (`trace_rl.trainer.workers`, kept up across steps), whose ranks build their trainer with
+run's torchrun workers (`trace_rl.trainer.launcher`, kept up across steps), whose ranks build their trainer with
 `restore_trainer` too and train on `steps/<step>/batch.parquet`, writing the checkpoint and the weights (rank 0
 writes). Otherwise it trains in this process, on a `Trainer` kept warm between steps. Either way, once a step
 returns `weights/<step>/` is STABLE, and so is `checkpoints/<step>/` when `ckpt.interval` gives the step one,
@@ -40,7 +40,7 @@ def train_in_process(trainer, storage: RunStorage, step: int, extra_state: dict[
     ranks write it before they answer."""
     from trace_rl.trainer.checkpoint import prune, writes_checkpoint
 
-    metrics = trainer.train_step(step, read_batch(storage, step))
+    metrics = trainer.optimizer_step(step, read_batch(storage, step))
     if writes_checkpoint(trainer.config, step):
         trainer.save_checkpoint(step, extra_state, background=not trainer.distributed and step < trainer.config.steps)
     trainer.export_weights(step)
@@ -75,7 +75,7 @@ class RunTrainer:
         the step), or the in-process Trainer holding the state after step `step - 1`."""
         if self.config.trainer.uses_workers:
             if self._trainer is None:
-                from trace_rl.trainer.workers import TrainerWorkers
+                from trace_rl.trainer.launcher import TrainerWorkers
 
                 self._trainer = TrainerWorkers(self.config, self.storage)
             return self._trainer
@@ -86,21 +86,21 @@ class RunTrainer:
             self._trainer = trainer
         return self._trainer
 
-    def train(self, step: int, extra_state: dict[str, Any] | None = None) -> dict[str, float]:
+    def run_step(self, step: int, extra_state: dict[str, Any] | None = None) -> dict[str, float]:
         """Train step `step` on its batch, checkpoint (with `extra_state`) and export its weights; the step's
         metrics."""
         trainer = self.at(step)
         if self.config.trainer.uses_workers:
-            return trainer.train(step, extra_state)
+            return trainer.run_step(step, extra_state)
         metrics = train_in_process(trainer, self.storage, step, extra_state)
         self._trained = step
         return metrics
 
-    def train_steps(self, steps: list[int]) -> list[dict[str, float]]:
+    def run_steps(self, steps: list[int]) -> list[dict[str, float]]:
         """One optimizer step per batch of `steps`, in order, on one trainer from the latest checkpoint: a replay's
         steps, which need not follow each other."""
         if self.config.trainer.uses_workers:
-            return [self.train(step) for step in steps]
+            return [self.run_step(step) for step in steps]
         self._trainer, _ = restore_trainer(self.config, self.storage)
         return [train_in_process(self._trainer, self.storage, step, None) for step in steps]
 
@@ -136,9 +136,9 @@ def train_one_step(config: Config, storage: RunStorage, step: int, trainer=None,
     """
     if trainer is None:
         with RunTrainer(config, storage) as owner:
-            return owner.train(step, extra_state)
-    from trace_rl.trainer.workers import TrainerWorkers
+            return owner.run_step(step, extra_state)
+    from trace_rl.trainer.launcher import TrainerWorkers
 
     if isinstance(trainer, TrainerWorkers):
-        return trainer.train(step, extra_state)
+        return trainer.run_step(step, extra_state)
     return train_in_process(trainer, storage, step, extra_state)

@@ -1,11 +1,11 @@
 """The trainer across machines: how the torchrun workers of several nodes find each other and their steps.
 
 With `[trainer] nnodes = M > 1` the training flow's machine is node 0: its `TrainerWorkers`
-(trace_rl/trainer/workers.py) owns the run's workers and sends them the steps. Every other node
+(trace_rl/trainer/launcher.py) owns the run's workers and sends them the steps. Every other node
 runs `trace-rl trainer-node CONFIG --node-rank K` (`serve_node`), which starts that node's share
 of the workers under the same c10d rendezvous. Nothing passes between the nodes but the
 rendezvous (torch.distributed's own, at `trainer.rdzv_endpoint`) and small files under the run's
-storage, each written to a temporary name and renamed into place (`Channel`), so a node on
+storage, each written to a temporary name and renamed into place (`ControlDir`), so a node on
 another machine reads exactly what was written or nothing:
 
     <run>/nodes/session.json              the current session: id, config hash, nnodes, steps (+ "ended")
@@ -58,7 +58,7 @@ NODES = "nodes"
 SESSION = "session.json"
 
 
-class Channel:
+class ControlDir:
     """A directory of small files, each written whole by one process and polled by the others: on a local disk or
     under a run's storage (any fsspec filesystem). A reader sees a file complete or not at all."""
 
@@ -66,13 +66,13 @@ class Channel:
         self.fs, self.root, self.poll_s = fs, root.rstrip("/"), poll_s
 
     @classmethod
-    def local(cls, path: str) -> Channel:
+    def local(cls, path: str) -> ControlDir:
         from fsspec.implementations.local import LocalFileSystem
 
         return cls(LocalFileSystem(), path, POLL_S)
 
     @classmethod
-    def in_storage(cls, storage: RunStorage, *parts: str) -> Channel:
+    def in_storage(cls, storage: RunStorage, *parts: str) -> ControlDir:
         poll_s = POLL_S if storage.protocol in ("file", "local") else REMOTE_POLL_S
         return cls(storage.fs, storage.path(*parts), poll_s)
 
@@ -110,12 +110,12 @@ class Channel:
         return sorted(name for entry in entries if (name := entry.rstrip("/").rsplit("/", 1)[-1]).startswith(prefix))
 
 
-def worker_channel(config: Config, control: str) -> Channel:
+def worker_control_dir(config: Config, control: str) -> ControlDir:
     """The control directory a worker was given: in the run's storage with several nodes, else local."""
     if config.trainer.nnodes > 1:
         storage = RunStorage.of(config)
-        return Channel(storage.fs, control, Channel.in_storage(storage).poll_s)
-    return Channel.local(control)
+        return ControlDir(storage.fs, control, ControlDir.in_storage(storage).poll_s)
+    return ControlDir.local(control)
 
 
 def write_private_config(directory: str, config: Config) -> str:
@@ -138,7 +138,7 @@ def torchrun_command(config: Config, control: str, config_path: str, node_rank: 
                       "--rdzv-endpoint", trainer.rdzv_endpoint, "--rdzv-id", session, "--rdzv-conf", conf]
     me = processes.stat(os.getpid())
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(trainer.num_processes),
-            "-m", "trace_rl.trainer.worker", "--control", control, "--config", config_path,
+            "-m", "trace_rl.trainer.rank", "--control", control, "--config", config_path,
             "--parent", f"{os.getpid()}:{me.start}", "--node-rank", str(node_rank)]
 
 
@@ -162,11 +162,11 @@ def end_workers(process: subprocess.Popen, ranks: list[tuple[int, int]], timeout
 
 # -- liveness ---------------------------------------------------------------------------------------
 class Heartbeat:
-    """A thread rewriting `node-<K>.json` in a session's channel every `interval` s, with a counter that watchers
+    """A thread rewriting `node-<K>.json` in a session's control_dir every `interval` s, with a counter that watchers
     compare (not clocks); the first beat is written before `start` returns."""
 
-    def __init__(self, channel: Channel, node_rank: int, interval: float):
-        self.channel, self.node_rank, self.interval = channel, node_rank, interval
+    def __init__(self, control_dir: ControlDir, node_rank: int, interval: float):
+        self.control_dir, self.node_rank, self.interval = control_dir, node_rank, interval
         self.beat = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-node-{node_rank}", daemon=True)
@@ -178,7 +178,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         self.beat += 1
-        self.channel.write_json(f"node-{self.node_rank}.json", {"beat": self.beat, "host": socket.gethostname(),
+        self.control_dir.write_json(f"node-{self.node_rank}.json", {"beat": self.beat, "host": socket.gethostname(),
                                                                "pid": os.getpid()})
 
     def _run(self) -> None:
@@ -197,8 +197,8 @@ class NodeWatch:
     """Which nodes stopped beating: a node whose heartbeat has not changed for `timeout` s of this machine's
     clock is gone. Nodes that never wrote one are not watched (see `missing`). Reads at most every `every` s."""
 
-    def __init__(self, channel: Channel, nodes: list[int], timeout: float, every: float):
-        self.channel, self.nodes, self.timeout, self.every = channel, nodes, timeout, every
+    def __init__(self, control_dir: ControlDir, nodes: list[int], timeout: float, every: float):
+        self.control_dir, self.nodes, self.timeout, self.every = control_dir, nodes, timeout, every
         self.seen: dict[int, tuple[int, float]] = {}  # node -> (beat, when this watcher first saw it)
         self.beating: set[int] = set()  # the nodes whose heartbeat changed while watched: alive, not left over
         self._read_at = -float("inf")
@@ -211,7 +211,7 @@ class NodeWatch:
         self._read_at = now
         for node in self.nodes:
             try:
-                beat = (self.channel.read_json(f"node-{node}.json") or {}).get("beat")
+                beat = (self.control_dir.read_json(f"node-{node}.json") or {}).get("beat")
             except (OSError, ValueError):  # unreadable this time: as if unchanged
                 continue
             if beat is not None and (node not in self.seen or self.seen[node][0] != beat):
@@ -245,18 +245,18 @@ def check_shared(storage: RunStorage) -> None:
 
 
 class NodeSession:
-    """One start of a multi-node run's workers: `nodes/session.json` names it, `nodes/<id>/` is its channel."""
+    """One start of a multi-node run's workers: `nodes/session.json` names it, `nodes/<id>/` is its control_dir."""
 
     def __init__(self, storage: RunStorage, info: dict[str, Any]):
         self.storage, self.info, self.id = storage, info, info["id"]
-        self.nodes = Channel.in_storage(storage, NODES)
-        self.channel = Channel.in_storage(storage, NODES, self.id)
+        self.nodes = ControlDir.in_storage(storage, NODES)
+        self.control_dir = ControlDir.in_storage(storage, NODES, self.id)
 
     @classmethod
     def create(cls, storage: RunStorage, config: Config) -> NodeSession:
         """Node 0's new session (published by `publish`); earlier sessions' files are removed."""
         check_shared(storage)
-        for name in Channel.in_storage(storage, NODES).names(""):
+        for name in ControlDir.in_storage(storage, NODES).names(""):
             if name != SESSION:
                 storage.remove(storage.path(NODES, name))
         info = {"id": uuid.uuid4().hex[:12], "config_hash": config_hash(config), "nnodes": config.trainer.nnodes,
@@ -266,7 +266,7 @@ class NodeSession:
     @classmethod
     def current(cls, storage: RunStorage) -> dict[str, Any] | None:
         """What `nodes/session.json` says now (None before a first session)."""
-        return Channel.in_storage(storage, NODES).read_json(SESSION)
+        return ControlDir.in_storage(storage, NODES).read_json(SESSION)
 
     def publish(self) -> None:
         self.nodes.write_json(SESSION, self.info)
@@ -282,13 +282,13 @@ class NodeSession:
         return now is None or now["id"] != self.id or bool(now.get("ended"))
 
     def watch(self, nodes: list[int], config: Config) -> NodeWatch:
-        return NodeWatch(self.channel, nodes, config.trainer.node_timeout_s, heartbeat_interval(config))
+        return NodeWatch(self.control_dir, nodes, config.trainer.node_timeout_s, heartbeat_interval(config))
 
     def errors(self) -> list[str]:
         """Each rank's error report, as `node K rank R: <the traceback's end>`."""
         lines = []
-        for name in self.channel.names("error-"):
-            report = self.channel.read_json(name) or {}
+        for name in self.control_dir.names("error-"):
+            report = self.control_dir.read_json(name) or {}
             rank = name.removeprefix("error-").removesuffix(".json")
             lines.append(f"node {report.get('node', '?')} rank {rank}: {report.get('error', '')[-1500:].strip()}")
         return lines
@@ -300,7 +300,7 @@ class NodeSession:
         remote = watch.nodes
         deadline = time.monotonic() + config.trainer.node_timeout_s + watch.every
         while time.monotonic() < deadline:
-            exited = {node for node in remote if self.channel.read(f"exit-{node}.json") is not None}
+            exited = {node for node in remote if self.control_dir.read(f"exit-{node}.json") is not None}
             if set(remote) <= exited | set(watch.gone()) | set(watch.missing()):
                 break
             time.sleep(watch.every)
@@ -359,7 +359,7 @@ def next_session(storage: RunStorage, config: Config, node_rank: int, wait_s: fl
     hash is refused (RefusedError) as soon as node 0's heartbeat in it moves: it is live. One whose heartbeat
     stands still was left by a node 0 that died, and is waited past, as is an ended one. After `wait_s`, a
     RefusedError names what was waited for."""
-    nodes = Channel.in_storage(storage, NODES)
+    nodes = ControlDir.in_storage(storage, NODES)
     ours = config_hash(config)
     deadline = time.monotonic() + wait_s
     watches: dict[str, NodeWatch] = {}  # node 0's heartbeat in each session with another config
@@ -368,10 +368,10 @@ def next_session(storage: RunStorage, config: Config, node_rank: int, wait_s: fl
         if info is not None and not info.get("ended"):
             session = NodeSession(storage, info)
             if info["config_hash"] == ours:
-                if session.channel.read(f"node-{node_rank}.json") is None:
+                if session.control_dir.read(f"node-{node_rank}.json") is None:
                     return session
             else:
-                watch = watches.setdefault(session.id, NodeWatch(session.channel, [0], config.trainer.node_timeout_s,
+                watch = watches.setdefault(session.id, NodeWatch(session.control_dir, [0], config.trainer.node_timeout_s,
                                                                   every=0.0))
                 watch.look()
                 if watch.beating:
@@ -403,8 +403,8 @@ def not_yet(storage: RunStorage, info: dict[str, Any] | None, ours: str) -> str:
 def run_session(session: NodeSession, config: Config, node_rank: int, config_path: str) -> int:
     """Run this node's workers in `session` until they exit, the session ends (they get END_GRACE_S to finish)
     or node 0 goes silent; report the exit code in `exit-<K>.json` and return it."""
-    heartbeat = Heartbeat(session.channel, node_rank, heartbeat_interval(config)).start()
-    process = subprocess.Popen(torchrun_command(config, session.channel.root, config_path, node_rank, session.id),
+    heartbeat = Heartbeat(session.control_dir, node_rank, heartbeat_interval(config)).start()
+    process = subprocess.Popen(torchrun_command(config, session.control_dir.root, config_path, node_rank, session.id),
                                stdin=subprocess.DEVNULL)
     watch = session.watch([0], config)
     ended_at = None
@@ -417,7 +417,7 @@ def run_session(session: NodeSession, config: Config, node_rank: int, config_pat
                 process.terminate()  # torchrun stops its workers
                 break
         end_workers(process, own_ranks(session, node_rank), STOP_TIMEOUT_S)
-        session.channel.write_json(f"exit-{node_rank}.json", {"code": process.returncode})
+        session.control_dir.write_json(f"exit-{node_rank}.json", {"code": process.returncode})
     finally:
         heartbeat.stop()
     return process.returncode
@@ -427,8 +427,8 @@ def run_session(session: NodeSession, config: Config, node_rank: int, config_pat
 def own_ranks(session: NodeSession, node_rank: int) -> list[tuple[int, int]]:
     """(pid, start) of this node's ranks, from their ready files."""
     ranks = []
-    for name in session.channel.names("ready-"):
-        ready = session.channel.read_json(name) or {}
+    for name in session.control_dir.names("ready-"):
+        ready = session.control_dir.read_json(name) or {}
         if ready.get("node") == node_rank:
             ranks.append((ready["pid"], ready["start"]))
     return ranks

@@ -384,7 +384,7 @@ class Trainer:
                              "ref_logprobs column (written without [trainer.loss.kl]: write the batch again)")
         return torch.zeros(batch.view_tokens, dtype=torch.float32, device=self.device)
 
-    def train_step(self, step: int, samples: list[TrainingSample]) -> dict[str, float]:
+    def optimizer_step(self, step: int, samples: list[TrainingSample]) -> dict[str, float]:
         """Pack the samples, accumulate the gradient over this rank's micro-batches, clip, and step."""
         t = self.config.trainer
         micro_batches = pack(samples, t.micro_batch_tokens, t.truncate, t.share_prefixes)

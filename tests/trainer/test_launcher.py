@@ -15,7 +15,7 @@ from trace_rl.machine import processes
 from trace_rl.tables import write_batch
 from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.resume import TrainerError
-from trace_rl.trainer.workers import TrainerWorkers
+from trace_rl.trainer.launcher import TrainerWorkers
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
-"""One torchrun rank of the persistent trainer workers (launched by `trace_rl.trainer.workers.TrainerWorkers`
+"""One torchrun rank of the persistent trainer workers (launched by `trace_rl.trainer.launcher.TrainerWorkers`
 on node 0, and by `trace-rl trainer-node` on the other nodes of a multi-node run).
 
-    python -m torch.distributed.run --standalone --nproc_per_node N -m trace_rl.trainer.worker \\
+    python -m torch.distributed.run --standalone --nproc_per_node N -m trace_rl.trainer.rank \\
         --control DIR --config FILE --parent PID:START [--node-rank K]
 
 gloo on CPU; on CUDA nccl, and gloo for CPU tensors (offloaded shards). The rank restores the
@@ -31,7 +31,7 @@ from trace_rl.config import Config
 from trace_rl.machine import processes
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.lifecycle import restore_trainer, train_in_process
-from trace_rl.trainer.nodes import Channel, worker_channel
+from trace_rl.trainer.nodes import ControlDir, worker_control_dir
 from trace_rl.trainer.trainer import resolve_device
 
 
@@ -39,30 +39,30 @@ class LauncherGone(RuntimeError):
     pass
 
 
-def next_command(channel: Channel, n: int, parent: int, parent_start: int) -> dict[str, Any]:
+def next_command(control_dir: ControlDir, n: int, parent: int, parent_start: int) -> dict[str, Any]:
     """Wait for `command-<n>.json` while the launcher lives."""
-    while (command := channel.read_json(f"command-{n}.json")) is None:
+    while (command := control_dir.read_json(f"command-{n}.json")) is None:
         if not processes.is_alive(parent, parent_start):
             raise LauncherGone(f"the launcher (pid {parent}) is gone")
-        time.sleep(channel.poll_s)
+        time.sleep(control_dir.poll_s)
     return command
 
 
-def serve(config: Config, channel: Channel, parent: int, parent_start: int, node_rank: int) -> None:
+def serve(config: Config, control_dir: ControlDir, parent: int, parent_start: int, node_rank: int) -> None:
     storage = RunStorage.of(config)
     trainer, restored = restore_trainer(config, storage)  # the launcher checks the step it sends against `restored`
     rank = dist.get_rank()
     me = processes.stat(os.getpid())
-    channel.write_json(f"ready-{rank}.json", {"pid": os.getpid(), "start": me.start, "restored": restored,
+    control_dir.write_json(f"ready-{rank}.json", {"pid": os.getpid(), "start": me.start, "restored": restored,
                                               "node": node_rank, "host": socket.gethostname()})
     n = 0
-    while not (command := next_command(channel, n, parent, parent_start)).get("stop"):
-        extra_state = torch.load(io.BytesIO(channel.read(command["extra_state"])), weights_only=False)
+    while not (command := next_command(control_dir, n, parent, parent_start)).get("stop"):
+        extra_state = torch.load(io.BytesIO(control_dir.read(command["extra_state"])), weights_only=False)
         metrics = train_in_process(trainer, storage, command["step"], extra_state)
         if trainer.device.type == "cuda":
             torch.cuda.empty_cache()  # the step's freed activations: colocated engines wake up into that memory
         if rank == 0:
-            channel.write_json(f"result-{n}.json", metrics)
+            control_dir.write_json(f"result-{n}.json", metrics)
         n += 1
 
 
@@ -77,18 +77,18 @@ def main(argv: list[str] | None = None) -> None:
 
     with open(args.config or os.path.join(args.control, "config.json")) as f:
         config = Config.model_validate_json(f.read())
-    channel = worker_channel(config, args.control)
+    control_dir = worker_control_dir(config, args.control)
     device = resolve_device(config.trainer.device, int(os.environ["LOCAL_RANK"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # CPU-offloaded shards (trainer.cpu_offload) are gathered for checkpoints and clipped on the CPU: gloo
     dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
     try:
-        serve(config, channel, parent, parent_start, args.node_rank)
+        serve(config, control_dir, parent, parent_start, args.node_rank)
     except LauncherGone:
         os._exit(0)  # nobody waits for this rank; the others see the same and exit too
     except BaseException:
-        channel.write_json(f"error-{dist.get_rank()}.json", {"node": args.node_rank, "error": traceback.format_exc()})
+        control_dir.write_json(f"error-{dist.get_rank()}.json", {"node": args.node_rank, "error": traceback.format_exc()})
         raise
     finally:
         if dist.is_initialized():

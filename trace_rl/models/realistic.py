@@ -15,7 +15,7 @@ copies those traits while staying small enough for CPU tests:
   are single added tokens that are not "special" (as in Qwen3's tokenizer), so decoding
   with `skip_special_tokens=True` keeps them while it drops `<|im_start|>`/`<|im_end|>`;
 - the chat template is Qwen-style, with tools and Hermes-format tool calls
-  (`tests/qwen_style.jinja`);
+  (`trace_rl/models/qwen_style.jinja`);
 - `generation_config.json` has non-neutral sampling defaults (top_k 20, top_p 0.8,
   temperature 0.7, repetition_penalty 1.05) and two eos ids, as Qwen's instruct models do:
   a sampler that lets them leak into RL sampling samples from another distribution than

@@ -3,11 +3,11 @@
 With `trainer.num_processes = N > 1`, or `trainer.cpu_offload` (N = 1 too), the run's process starts
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node N \\
-        -m trace_rl.trainer.worker --control DIR --config FILE --parent PID:START
+        -m trace_rl.trainer.rank --control DIR --config FILE --parent PID:START
 
 once. Every rank builds its model, restores the latest checkpoint and writes `ready-<rank>.json`;
 then it waits for numbered commands in the private control directory `DIR`. Each step
-(`TrainerWorkers.train`) writes `command-<n>.json` (the step; its batch is the step's
+(`TrainerWorkers.run_step`) writes `command-<n>.json` (the step; its batch is the step's
 `steps/<step>/batch.parquet` in the run's storage) and waits until rank 0 writes
 `result-<n>.json`, which it does after the step's weights (and checkpoint, when the step has one)
 are STABLE. The model is never reloaded between steps.
@@ -40,7 +40,7 @@ from typing import Any, Self
 from trace_rl.config import Config
 from trace_rl.errors import RefusedError
 from trace_rl.storage import RunStorage, step_name
-from trace_rl.trainer.nodes import (Channel, Heartbeat, NodeSession, NodeWatch, end_workers, heartbeat_interval,
+from trace_rl.trainer.nodes import (ControlDir, Heartbeat, NodeSession, NodeWatch, end_workers, heartbeat_interval,
                                     torchrun_command, write_private_config)
 from trace_rl.trainer.resume import TrainerError, check_resumes_at
 
@@ -59,7 +59,7 @@ class TrainerWorkers:
         self.storage = storage
         self.process: subprocess.Popen | None = None
         self.local: str | None = None  # private: the config with credentials, the workers' log
-        self.channel: Channel | None = None
+        self.control_dir: ControlDir | None = None
         self.session: NodeSession | None = None  # trainer.nnodes > 1
         self.watch: NodeWatch | None = None  # the other nodes' heartbeats
         self._heartbeat: Heartbeat | None = None
@@ -83,7 +83,7 @@ class TrainerWorkers:
     def control(self) -> str | None:
         """The control directory: a local path with one node, the session's directory in the run's storage with
         several."""
-        return None if self.channel is None else self.channel.root
+        return None if self.control_dir is None else self.control_dir.root
 
     @property
     def world_size(self) -> int:
@@ -96,8 +96,8 @@ class TrainerWorkers:
         if self.config.trainer.nnodes > 1:
             self._open_session()
         else:
-            self.channel = Channel.local(self.local)
-        command = torchrun_command(self.config, self.channel.root, config_path, 0, self.session and self.session.id)
+            self.control_dir = ControlDir.local(self.local)
+        command = torchrun_command(self.config, self.control_dir.root, config_path, 0, self.session and self.session.id)
         with open(os.path.join(self.local, "workers.log"), "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         _RUNNING.add(self)
@@ -115,12 +115,12 @@ class TrainerWorkers:
             self.session = NodeSession.create(self.storage, self.config)
         except RefusedError as exc:
             raise TrainerError(str(exc)) from None
-        self.channel = self.session.channel
-        self._heartbeat = Heartbeat(self.channel, 0, heartbeat_interval(self.config)).start()
+        self.control_dir = self.session.control_dir
+        self._heartbeat = Heartbeat(self.control_dir, 0, heartbeat_interval(self.config)).start()
         self.session.publish()
         self.watch = self.session.watch(list(range(1, self.config.trainer.nnodes)), self.config)
 
-    def train(self, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
+    def run_step(self, step: int, extra_state: dict[str, Any] | None) -> dict[str, float]:
         """Train `step` on the workers (starting them if needed); returns rank 0's metrics once its weights
         (and its checkpoint, if `ckpt.interval` gives it one) are STABLE."""
         with self._busy:
@@ -143,8 +143,8 @@ class TrainerWorkers:
         self._sent += 1
         buffer = io.BytesIO()
         torch.save(dict(extra_state or {}), buffer)
-        self.channel.write(f"extra-{n}.pt", buffer.getvalue())
-        self.channel.write_json(f"command-{n}.json", {"step": step, "extra_state": f"extra-{n}.pt"})
+        self.control_dir.write(f"extra-{n}.pt", buffer.getvalue())
+        self.control_dir.write_json(f"command-{n}.json", {"step": step, "extra_state": f"extra-{n}.pt"})
         try:
             metrics = self._wait_for(f"result-{n}.json", f"step {step}")
         except TrainerError:
@@ -159,14 +159,14 @@ class TrainerWorkers:
     def _wait_for(self, name: str, what: str, deadline: float | None = None) -> Any:
         """The control file `name` once a worker wrote it; TrainerError when the workers die first, a node goes
         silent, or (joining) `deadline` passes."""
-        while (found := self.channel.read_json(name)) is None:
+        while (found := self.control_dir.read_json(name)) is None:
             code = self.process.poll()
             if code is not None:
                 raise TrainerError(f"trainer workers died during {what} (torchrun exit {code}); the next attempt "
                                    f"starts new workers from the latest checkpoint:\n{self._failure()}")
             if self.watch is not None:
                 self._check_nodes(what, deadline)
-            time.sleep(self.channel.poll_s)
+            time.sleep(self.control_dir.poll_s)
         return found
 
     def _check_nodes(self, what: str, deadline: float | None) -> None:
@@ -202,8 +202,8 @@ class TrainerWorkers:
         if self.session is not None:
             return self.session.failure(self.watch, self.config, log)[-LOG_TAIL:]
         texts = []
-        for name in self.channel.names("error-"):
-            report = self.channel.read_json(name)
+        for name in self.control_dir.names("error-"):
+            report = self.control_dir.read_json(name)
             texts.append(f"rank {name.removeprefix('error-').removesuffix('.json')}: {report['error']}")
         return "\n".join(texts)[-LOG_TAIL:] if texts else log
 
@@ -215,7 +215,7 @@ class TrainerWorkers:
 
     def _stop(self) -> None:
         if self.alive:
-            self.channel.write_json(f"command-{self._sent}.json", {"stop": True})
+            self.control_dir.write_json(f"command-{self._sent}.json", {"stop": True})
         if self.process is not None:
             end_workers(self.process, list(zip(self.pids, self._starts)), STOP_TIMEOUT_S)
         if self.session is not None:
@@ -224,7 +224,7 @@ class TrainerWorkers:
             self._heartbeat.stop()
         if self.local is not None:
             shutil.rmtree(self.local, ignore_errors=True)
-        self.process, self.local, self.channel, self.pids, self._starts, self.step = None, None, None, [], [], None
+        self.process, self.local, self.control_dir, self.pids, self._starts, self.step = None, None, None, [], [], None
         self.session, self.watch, self._heartbeat = None, None, None
         _RUNNING.discard(self)
 

@@ -27,7 +27,7 @@ from trace_rl.models.runtime import NEUTRAL_SAMPLING
 API_KEY_VAR = "VLLM_API_KEY"  # the variable verifiers' client reads the vLLM server's key from (unset: none)
 
 
-class VerifiersServerEnv(VerifiersEnv):
+class VerifiersRemoteEnv(VerifiersEnv):
     """A `VerifiersEnv` whose episodes a verifiers env server at `server` plays (in the runtimes of its machine,
     which this one need not have)."""
 
