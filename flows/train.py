@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Literal
 from uuid import UUID
 
@@ -65,15 +66,8 @@ def train_flow(config: Config, mode: Literal["new", "resume", "overwrite"] = "ne
                       if evaluates_at(config, s) and not storage.is_stable(eval_dir(storage, s))]
         for step in unfinished:
             run_eval_of_step(config, step, bar, console, trackers)
-        sampled: dict[int, dict] = {}  # `sample_rollouts` results of steps an earlier step sampled ([async])
-        for step in range(first, config.steps + 1):
-            started = time.perf_counter()
-            ahead = sampled_while_training(step, config.async_.max_off_policy_steps, max(sampled, default=step),
-                                           config.steps)
-            with without_heartbeat():
-                result = step_flow(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
-            sampled.update(zip(ahead, result["sampled"]))
-            metrics = {**result["metrics"], "time/step": time.perf_counter() - started}
+        for step, result in trained_steps(config, first):
+            metrics = result["metrics"]
             rows.append(metrics)
             done.append((step, reward_mean(metrics), metrics.get("train/entropy", 0.0), metrics["time/step"],
                          ", ".join(result["reused"])))
@@ -94,6 +88,21 @@ def train_flow(config: Config, mode: Literal["new", "resume", "overwrite"] = "ne
                       f"({last - first:+.3f})")
     console.print(where_things_are(storage, config.steps, this_run), highlight=False, soft_wrap=True)
     return [{"step": d[0], "reward_mean": d[1]} for d in done]
+
+
+def trained_steps(config: Config, first: int) -> Iterator[tuple[int, dict]]:
+    """The run's loop: steps `first` .. `config.steps`, each a `step_flow` subflow, yielding each step with its
+    result (its metrics with the step's wall time, `time/step`). With `[async]` a step also samples the steps after it;
+    the loop hands their rollouts to them."""
+    sampled: dict[int, dict] = {}  # `sample_rollouts` results of steps an earlier step sampled
+    for step in range(first, config.steps + 1):
+        started = time.perf_counter()
+        ahead = sampled_while_training(step, config.async_.max_off_policy_steps, max(sampled, default=step),
+                                       config.steps)
+        with without_heartbeat():
+            result = step_flow(config, step, rollouts=sampled.pop(step, None), sample_ahead=ahead)
+        sampled.update(zip(ahead, result["sampled"]))
+        yield step, {**result, "metrics": {**result["metrics"], "time/step": time.perf_counter() - started}}
 
 
 def run_eval_of_step(config: Config, step: int, bar: Progress, console: Console, trackers: Trackers) -> None:

@@ -524,7 +524,7 @@ class Config(Strict):
         "password, ...) stay out of config.toml, flow parameters and the config hash; 'env:VARIABLE' or "
         "'prefect-secret:BLOCK' reads one when the run opens its storage (docs/storage.md)")
     imports: list[str] = Field(default_factory=list, description="modules imported before env and algorithm ids "
-                               "are looked up, so that their @register_env and @register short ids resolve, e.g. "
+                               "are looked up, so that their @register_env and @register_algorithm short ids resolve, e.g. "
                                "['my_envs']; found like import paths (docs/envs.md)")
     actor: str = Field(POLICY, description="which model samples rollouts: 'policy' or a [models.<key>] with tokens")
     algorithms: list[AlgorithmSpec] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=

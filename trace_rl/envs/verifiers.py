@@ -262,7 +262,7 @@ class VerifiersEnv(Environment):
 
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         vf = verifiers_module()
-        from trace_rl.verifiers.client import client_config, register, unregister
+        from trace_rl.verifiers.client import client_config, register_sampler, unregister_sampler
 
         env, task = self.vf_env, self.tasks[example.data["task"]]
         if self._serving is None:
@@ -271,13 +271,13 @@ class VerifiersEnv(Environment):
         sampling = vf.SamplingConfig(temperature=sampler.sampling.temperature, top_p=sampler.sampling.top_p,
                                      max_tokens=sampler.sampling.max_completion_tokens)
         context = vf.ModelContext(model=sampler.runtime.config.name, client=client_config(key), sampling=sampling)
-        register(key, model)
+        register_sampler(key, model)
         try:
             async with self._serving():
                 (slot,) = env.slots(task, 1)
                 episode = await env.run_slot(slot, context)
         finally:
-            unregister(key)
+            unregister_sampler(key)
         if isinstance(model.error, (FatalError, RetryableError, TimeoutError)):
             raise model.error
         return episode_traces(episode, self.id, example)

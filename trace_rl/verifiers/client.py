@@ -44,11 +44,11 @@ class TurnSampler(Protocol):
 SAMPLERS: dict[str, TurnSampler] = {}
 
 
-def register(key: str, sampler: TurnSampler) -> None:
+def register_sampler(key: str, sampler: TurnSampler) -> None:
     SAMPLERS[key] = sampler
 
 
-def unregister(key: str) -> None:
+def unregister_sampler(key: str) -> None:
     SAMPLERS.pop(key, None)
 
 
