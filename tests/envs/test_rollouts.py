@@ -129,7 +129,7 @@ class TwinAgents(Environment):
 class FailingFirst(Environment):
     """Its first `failures` rollouts raise; the others sample one real turn."""
 
-    class Args(BaseModel):
+    class Options(BaseModel):
         failures: int
 
     calls = 0

@@ -16,7 +16,7 @@ from flows.cli import main
 from tests.inference.conftest import model_logprobs, peft_logprobs, trainer_logprobs
 from tests.trainer.conftest import make_batch
 from trace_rl.config import Config, config_to_toml
-from trace_rl.storage import RunStorage
+from trace_rl.storage import RunStorage, record_run_version
 from trace_rl.tables import write_batch
 from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.trainer import Trainer
@@ -30,6 +30,7 @@ def trained_run(root, name: str, model: dict, steps: int = 2) -> RunStorage:
                     trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"})
     storage = RunStorage(config.storage, config.name)
     storage.write_atomic(storage.path("config.toml"), config_to_toml(config).encode())
+    record_run_version(storage)
     trainer = Trainer(config, storage)
     for step in range(1, steps + 1):
         write_batch(storage, step, make_batch(step))
@@ -106,6 +107,7 @@ def test_a_pruned_step_is_refused_naming_the_steps_with_weights(tmp_path, capsys
     config = load_config(ROOT / "configs" / "lora.toml", [f"storage={json.dumps(str(tmp_path))}"])
     storage = RunStorage(config.storage, config.name)
     storage.write_atomic(storage.path("config.toml"), config_to_toml(config).encode())
+    record_run_version(storage)
     for step in (59, 60):
         storage.mark_stable(storage.path("weights", f"{step:06d}"))
     assert main(["export", storage.url, "--step", "30", "--merged", str(tmp_path / "merged")]) == 2
