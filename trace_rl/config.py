@@ -216,21 +216,15 @@ class EnvConfig(Strict):
         return self.server if self.server and self.server.startswith(VERIFIERS_SERVER_SCHEME) else None
 
 
-# the [trainer.loss] keys each policy reads; the others are refused with that policy (docs/trainer.md)
-POLICY_KEYS = {
-    "dppo": {"dppo_mask_low", "dppo_mask_high", "kl_tau"},
-    "ppo": {"clip_low", "clip_high", "clip_c"},
-    "gspo": {"clip_low", "clip_high"},
-    "cispo": {"clip_low", "clip_high"},
-    "sapo": {"tau_pos", "tau_neg"},
-    "reinforce": set(),
+# how token losses become the step's loss (docs/trainer.md, "Aggregation")
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+# the flat [trainer.loss] keys that each belonged to some policies, and their key in those policies' own tables
+FLAT_LOSS_KEYS = {
+    "dppo_mask_low": (("dppo",), "mask_low"), "dppo_mask_high": (("dppo",), "mask_high"),
+    "kl_tau": (("dppo",), "kl_tau"), "clip_low": (("ppo", "gspo", "cispo"), "clip_low"),
+    "clip_high": (("ppo", "gspo", "cispo"), "clip_high"), "clip_c": (("ppo",), "clip_c"),
+    "tau_pos": (("sapo",), "tau_pos"), "tau_neg": (("sapo",), "tau_neg"),
 }
-# (clip_low, clip_high) when unset: PPO's 0.2 (Schulman et al. 2017); GSPO's 3e-4 / 4e-4 (Zheng et al. 2025,
-# section 5.1); CISPO with no lower bound (MiniMax-M1 imposes none) and PPO's 0.2 above
-CLIP_DEFAULTS = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2)}
-TAU_DEFAULTS = (1.0, 1.05)  # SAPO's tau_pos, tau_neg (Gao et al. 2025; verl's defaults)
-# the policies whose ratio is not clipped: the only ones a truncating correction applies to
-TRUNCATABLE = ("dppo", "reinforce")
 
 
 class CorrectionConfig(Strict):
@@ -267,32 +261,23 @@ class KLConfig(Strict):
         "(d = lp - lp_ref; Schulman 2020)")
 
 
-class LossConfig(Strict):
-    """`[trainer.loss]`: see docs/trainer.md for the formulas."""
+class LossConfig(BaseModel):
+    """`[trainer.loss]`, and the options of its policy loss in `[trainer.loss.<policy>]`: see docs/trainer.md.
 
-    policy: Literal["dppo", "ppo", "gspo", "cispo", "sapo", "reinforce"] = Field(
-        "dppo", description="the rl policy loss: dppo (prime-rl's trust-region loss), ppo, gspo, cispo, sapo, "
-        "reinforce (docs/trainer.md)")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = (
-        Field(None, description="how token losses become the step's loss, step-wide (unset: token-mean; "
-              "seq-mean-token-mean for gspo and sapo)"))
+    The schema takes any table as a loss's options; which losses exist and what their options are is checked
+    against the registry (`trace_rl.losses`) once the config's `imports` are imported."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    policy: str = Field(
+        "dppo", min_length=1, description="the rl policy loss: dppo (prime-rl's trust-region loss), ppo, gspo, "
+        "cispo, sapo, reinforce, or a loss registered with @register_loss in a module of `imports`; its options go "
+        "in [trainer.loss.<policy>] (docs/trainer.md)")
+    aggregation: Aggregation | None = Field(
+        None, description="how token losses become the step's loss, step-wide (unset: the policy's default: "
+        "token-mean; seq-mean-token-mean for gspo and sapo)")
     norm_tokens: int | None = Field(
         None, gt=0, description="aggregation = 'seq-mean-token-sum-norm' only: the constant a sequence's token sum is "
         "divided by (unset: the largest sampling.max_completion_tokens of the run)")
-    dppo_mask_low: float = Field(0.2, ge=0, description="dppo: drop A<0 tokens whose probability fell by more than "
-                                 "this")
-    dppo_mask_high: float = Field(0.2, ge=0, description="dppo: drop A>0 tokens whose probability rose by more than "
-                                  "this")
-    kl_tau: float = Field(1e-3, ge=0, description="dppo: weight of the log-ratio**2 penalty on rl tokens")
-    clip_low: float | None = Field(
-        None, ge=0, description="ppo, gspo, cispo: the ratio's lower clip 1 - clip_low (unset: 0.2; gspo 3e-4; "
-        "cispo 1.0, no bound)")
-    clip_high: float | None = Field(
-        None, ge=0, description="ppo, gspo, cispo: the ratio's upper clip 1 + clip_high (unset: 0.2; gspo 4e-4)")
-    clip_c: float | None = Field(None, gt=1, description="ppo: dual-clip, a token with A < 0 loses at most "
-                                 "-clip_c * A (unset: no dual clip)")
-    tau_pos: float | None = Field(None, gt=0, description="sapo: the gate's temperature where A > 0 (unset: 1.0)")
-    tau_neg: float | None = Field(None, gt=0, description="sapo: the gate's temperature where A <= 0 (unset: 1.05)")
     max_is_ratio: float | None = Field(
         None, gt=0, description="truncated importance sampling: cap the ratio pi/pi_inf in the policy gradient "
         "at this value (unset: no cap); shorthand of correction = {level = 'token', mode = 'truncate', high = ...}")
@@ -302,55 +287,41 @@ class LossConfig(Strict):
     kl: KLConfig | None = Field(
         None, description="[trainer.loss.kl]: KL penalty toward a reference model's logprobs (unset: none)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _other_keys_are_loss_tables(cls, data: Any) -> Any:
+        """A key that is not a field must be a table (a loss's options); a flat key of old names its new place."""
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for key, value in data.items():
+            if key in cls.model_fields or isinstance(value, dict):
+                continue
+            if key in FLAT_LOSS_KEYS:
+                policies, new_key = FLAT_LOSS_KEYS[key]
+                chosen = data.get("policy") in policies
+                policy = data["policy"] if chosen else policies[0]
+                others = "" if chosen else ", ".join(f"[trainer.loss.{p}]" for p in policies[1:])
+                error = ValueError(f"moved to [trainer.loss.{policy}] {new_key}"
+                                   + (f" (likewise {others})" if others else ""))
+                errors.append({"type": "value_error", "loc": (key,), "input": value, "ctx": {"error": error}})
+            else:
+                errors.append({"type": "extra_forbidden", "loc": (key,), "input": value})
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
     @model_validator(mode="after")
-    def _consistent(self) -> LossConfig:
-        problems = []
-        used = POLICY_KEYS[self.policy]
-        for key in sorted(set().union(*POLICY_KEYS.values()) - used):
-            if getattr(self, key) != type(self).model_fields[key].default:
-                users = [p for p, keys in POLICY_KEYS.items() if key in keys]
-                problems.append(f"{key} is not used by policy = '{self.policy}' (only by {', '.join(users)}); "
-                                "remove it")
-        if self.norm_tokens is not None and self.aggregation_mode != "seq-mean-token-sum-norm":
-            problems.append("norm_tokens is used only by aggregation = 'seq-mean-token-sum-norm'; remove it")
+    def _one_correction(self) -> LossConfig:
         if self.max_is_ratio is not None and self.correction is not None:
-            problems.append("max_is_ratio is the shorthand of correction = {level = 'token', mode = 'truncate', "
-                            "high = ...}: set one of them")
-        correction = self.importance_correction
-        if correction is not None and correction.mode == "truncate" and self.policy not in TRUNCATABLE:
-            what = "max_is_ratio" if self.max_is_ratio is not None else "correction.mode = 'truncate'"
-            problems.append(f"{what} truncates the importance weight of dppo and reinforce; policy = "
-                            f"'{self.policy}' has its own clipped or gated ratio: use correction.mode = 'mask'")
-        if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("max_is_ratio is the shorthand of correction = {level = 'token', mode = 'truncate', "
+                             "high = ...}: set one of them")
         return self
 
     @property
-    def aggregation_mode(self) -> str:
-        """`aggregation`, or the policy's default when unset: seq-mean-token-mean for gspo and sapo, else token-mean."""
-        if self.aggregation is not None:
-            return self.aggregation
-        return "seq-mean-token-mean" if self.policy in ("gspo", "sapo") else "token-mean"
-
-    @property
-    def notes(self) -> list[str]:
-        """Warnings about a valid but unusual choice, logged once when a run starts."""
-        if self.policy in ("gspo", "sapo") and self.aggregation_mode != "seq-mean-token-mean":
-            return [f"trainer.loss: policy = '{self.policy}' with aggregation = '{self.aggregation}' (as verl allows); "
-                    "the paper aggregates per sequence (aggregation = 'seq-mean-token-mean', the default)"]
-        return []
-
-    @property
-    def clip(self) -> tuple[float, float]:
-        """(clip_low, clip_high), the unset ones at the policy's defaults."""
-        low, high = CLIP_DEFAULTS.get(self.policy, (0.2, 0.2))
-        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
-
-    @property
-    def taus(self) -> tuple[float, float]:
-        """(tau_pos, tau_neg), the unset ones at SAPO's defaults."""
-        return (TAU_DEFAULTS[0] if self.tau_pos is None else self.tau_pos,
-                TAU_DEFAULTS[1] if self.tau_neg is None else self.tau_neg)
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """The `[trainer.loss.<name>]` tables by name: the options of the loss `name`."""
+        return dict(self.model_extra or {})
 
     @property
     def importance_correction(self) -> CorrectionConfig | None:

@@ -31,7 +31,7 @@ def run(lp, lp_inf, rl=None, ce=None, scales=None, lengths=None, **loss):
 
 def test_rl_with_ratio_one_is_minus_mean_advantage():
     lp = [-1.0, -2.0, -0.5]
-    loss, grad, metrics = run(lp, lp, rl=([1.0, -2.0, 0.5], [T, T, F]), scales={"rl": 2, "ce": 0}, kl_tau=0.0)
+    loss, grad, metrics = run(lp, lp, rl=([1.0, -2.0, 0.5], [T, T, F]), scales={"rl": 2, "ce": 0}, dppo={"kl_tau": 0.0})
     assert loss == pytest.approx((-1.0 + 2.0) / 2)
     # d(-A r)/d lp = -A r = -A at r = 1
     assert grad == pytest.approx([-0.5, 1.0, 0.0])
@@ -48,7 +48,7 @@ def test_trust_region_drops_one_token_on_each_side():
     lp = [log(0.9), log(0.2), log(0.9), log(0.5)]
     lp_inf = [log(0.5), log(0.6), log(0.5), log(0.4)]
     adv = [1.0, -1.0, -1.0, 1.0]
-    loss, grad, metrics = run(lp, lp_inf, rl=(adv, [T] * 4), scales={"rl": 4, "ce": 0}, kl_tau=0.1)
+    loss, grad, metrics = run(lp, lp_inf, rl=(adv, [T] * 4), scales={"rl": 4, "ce": 0}, dppo={"kl_tau": 0.1})
     log_r = [log(0.9 / 0.5), log(0.2 / 0.6), log(0.9 / 0.5), log(0.5 / 0.4)]
     policy = [0.0, 0.0, 1.0 * 1.8, -1.0 * 1.25]
     assert loss == pytest.approx((sum(policy) + 0.1 * sum(x * x for x in log_r)) / 4)
@@ -66,7 +66,7 @@ def test_truncated_importance_sampling_caps_the_ratio_of_high_ratio_tokens():
     lp_inf = [log(0.2), log(0.3), log(0.4), log(0.2)]
     adv = [1.0, -2.0, 0.5, 1.0]
     rl = (adv, [T, T, T, T])
-    wide = {"dppo_mask_high": 1.0, "dppo_mask_low": 1.0, "kl_tau": tau}
+    wide = {"dppo": {"mask_high": 1.0, "mask_low": 1.0, "kl_tau": tau}}
     loss, grad, metrics = run(lp, lp_inf, rl=rl, scales={"rl": 4, "ce": 0}, max_is_ratio=2.0, **wide)
     log_r = [log(3.0), 0.0, log(1.25), log(0.5)]
     kl = [tau * x * x for x in log_r]
@@ -86,7 +86,7 @@ def test_truncated_importance_sampling_caps_the_ratio_of_high_ratio_tokens():
 
 def test_capped_tokens_still_leave_through_the_trust_region():
     # r = 3 > C but A > 0 and dp = 0.4 > 0.2: dropped from the policy term as without a cap; only kl remains
-    _, grad, metrics = run([math.log(0.6)], [math.log(0.2)], rl=([1.0], [T]), max_is_ratio=2.0, kl_tau=0.1)
+    _, grad, metrics = run([math.log(0.6)], [math.log(0.2)], rl=([1.0], [T]), max_is_ratio=2.0, dppo={"kl_tau": 0.1})
     assert grad == pytest.approx([2 * 0.1 * math.log(3.0)])
     assert metrics["trust_region_masked"] == 1.0 and metrics["mismatch/is_capped_fraction"] == 1.0
 
@@ -96,25 +96,25 @@ def test_no_cap_or_a_cap_that_never_binds_is_todays_loss_exactly():
     lp = [log(0.9), log(0.2), log(0.9), log(0.5), -3.0]
     lp_inf = [log(0.5), log(0.6), log(0.5), log(0.4), -2.0]
     rl = ([1.0, -1.0, -1.0, 1.0, 0.7], [T, T, T, T, T])
-    base = run(lp, lp_inf, rl=rl, scales={"rl": 5, "ce": 0}, kl_tau=0.1)
+    base = run(lp, lp_inf, rl=rl, scales={"rl": 5, "ce": 0}, dppo={"kl_tau": 0.1})
     assert LossConfig().max_is_ratio is None
     for cap in (None, 10.0):
-        loss, grad, metrics = run(lp, lp_inf, rl=rl, scales={"rl": 5, "ce": 0}, kl_tau=0.1, max_is_ratio=cap)
+        loss, grad, metrics = run(lp, lp_inf, rl=rl, scales={"rl": 5, "ce": 0}, dppo={"kl_tau": 0.1}, max_is_ratio=cap)
         assert loss == base[0] and grad == base[1]  # bitwise, also when the cap's arithmetic runs
         assert metrics["mismatch/is_capped_fraction"] == 0.0
 
 
 def test_capped_ratio_stays_finite_where_the_ratio_underflows_or_overflows():
     # r = exp(-200) = 0 and exp(+200) = inf in float32: the capped term is 0 and C, with gradients -A * min(r, C)
-    loss, grad, _ = run([-201.0, -1.0], [-1.0, -201.0], rl=([1.0, 1.0], [T, T]), max_is_ratio=2.0, kl_tau=0.0,
-                        dppo_mask_high=2.0)
+    loss, grad, _ = run([-201.0, -1.0], [-1.0, -201.0], rl=([1.0, 1.0], [T, T]), max_is_ratio=2.0,
+                        dppo={"kl_tau": 0.0, "mask_high": 2.0})
     assert loss == pytest.approx(-2.0) and grad == pytest.approx([0.0, -2.0])
 
 
 def test_trust_region_bounds_are_configurable():
     log = math.log
     # dp = 0.4: dropped at the default high bound 0.2, kept at 0.5
-    _, grad, metrics = run([log(0.9)], [log(0.5)], rl=([1.0], [T]), dppo_mask_high=0.5, kl_tau=0.0)
+    _, grad, metrics = run([log(0.9)], [log(0.5)], rl=([1.0], [T]), dppo={"mask_high": 0.5, "kl_tau": 0.0})
     assert grad == pytest.approx([-1.8]) and metrics["trust_region_masked"] == 0.0
 
 
@@ -131,7 +131,7 @@ def test_rl_and_ce_on_one_sequence_use_their_own_scales():
     lp_inf = [log(0.5), log(0.4), 0.0, 0.0]
     rl = ([2.0, -1.0, 0.0, 0.0], [T, T, F, F])
     ce = ([0.0, 0.0, 1.0, 3.0], [F, F, T, T])
-    loss, grad, metrics = run(lp, lp_inf, rl=rl, ce=ce, scales={"rl": 4, "ce": 8}, kl_tau=tau)
+    loss, grad, metrics = run(lp, lp_inf, rl=rl, ce=ce, scales={"rl": 4, "ce": 8}, dppo={"kl_tau": tau})
     log_r1 = log(0.3 / 0.4)
     rl_sum = -2.0 * 1.0 + 1.0 * 0.75 + tau * log_r1**2
     ce_sum = 1.0 * 1.5 + 3.0 * 0.5

@@ -11,7 +11,7 @@ from trace_rl.trainer.trainer import Trainer, resolved_loss_config
 
 VARIANTS = [
     {"aggregation": "seq-mean-token-mean"},
-    {"policy": "ppo", "clip_c": 3.0, "aggregation": "seq-mean-token-sum"},
+    {"policy": "ppo", "ppo": {"clip_c": 3.0}, "aggregation": "seq-mean-token-sum"},
     {"policy": "reinforce", "aggregation": "seq-mean-token-sum-norm",
      "correction": {"level": "sequence", "mode": "mask", "low": 0.05, "high": 20.0}},
 ]

@@ -29,12 +29,13 @@ def test_ppo_clips_each_side_and_dual_clip_caps_negative_advantages():
     lp, lp_inf = ratios([1.5, 0.5, 1.1, 0.5, 5.0])
     rl = ([1.0, 1.0, -1.0, -1.0, -1.0], [T] * 5)
     scales = {"rl": 5, "ce": 0}
-    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales=scales, policy="ppo", clip_low=0.2, clip_high=0.2)
+    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales=scales, policy="ppo", ppo={"clip_low": 0.2, "clip_high": 0.2})
     assert loss == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8 + 5.0) / 5)
     assert grad == pytest.approx([0.0, -0.5 / 5, 1.1 / 5, 0.0, 5.0 / 5])
     assert metrics["clipped_fraction"] == pytest.approx(2 / 5) and metrics["trust_region_masked"] == 0.0
     # dual clip c = 3: t4 (A < 0) loses min(5, -3 A) = 3, without gradient
-    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales=scales, policy="ppo", clip_low=0.2, clip_high=0.2, clip_c=3.0)
+    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales=scales, policy="ppo",
+                              ppo={"clip_low": 0.2, "clip_high": 0.2, "clip_c": 3.0})
     assert loss == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
     assert grad == pytest.approx([0.0, -0.5 / 5, 1.1 / 5, 0.0, 0.0])
     assert metrics["clipped_fraction"] == pytest.approx(3 / 5)
@@ -44,7 +45,7 @@ def test_ppo_clip_higher_moves_only_the_upper_bound():
     # DAPO's clip-higher: clip_high = 0.6 lets t0 (r = 1.5, A > 0) keep its gradient; the lower bound stays 0.8
     lp, lp_inf = ratios([1.5, 0.5])
     loss, grad, _ = run(lp, lp_inf, rl=([1.0, -1.0], [T, T]), scales={"rl": 2, "ce": 0}, policy="ppo",
-                        clip_high=0.6)
+                        ppo={"clip_high": 0.6})
     assert loss == pytest.approx((-1.5 + 0.8) / 2) and grad == pytest.approx([-1.5 / 2, 0.0])
 
 
@@ -57,15 +58,16 @@ def test_gspo_clips_the_sequence_ratio_and_means_over_sequences():
     lp_inf = [log(0.1), log(0.1), 0.0, log(0.1), log(0.1)]
     rl = ([1.0, 1.0, 0.0, -1.0, -1.0], [T, T, F, T, T])
     scales = {"rl": 4, "ce": 0, "rl_sequences": 2, "ce_sequences": 0}
-    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales=scales, lengths=[2, 3], policy="gspo", clip_low=0.2,
-                              clip_high=0.2)
+    loss, grad, metrics = run(lp, lp_inf, rl=rl, scales=scales, lengths=[2, 3], policy="gspo",
+                              gspo={"clip_low": 0.2, "clip_high": 0.2})
     assert loss == pytest.approx((-1.2 + s) / 2)
     assert grad == pytest.approx([0.0, 0.0, 0.0, s / 2 / 2, s / 2 / 2])
     assert metrics["clipped_fraction"] == pytest.approx(2 / 4)
     # the same tokens as one sequence: s = exp(mean of [log 2, 0, log 0.9, 0]) and one mean over four tokens
     s1 = math.exp((log(2) + log(0.9)) / 4)
     one = {"rl": 4, "ce": 0, "rl_sequences": 1, "ce_sequences": 0}
-    loss, grad, _ = run(lp, lp_inf, rl=rl, scales=one, lengths=[5], policy="gspo", clip_low=0.2, clip_high=0.2)
+    loss, grad, _ = run(lp, lp_inf, rl=rl, scales=one, lengths=[5], policy="gspo",
+                        gspo={"clip_low": 0.2, "clip_high": 0.2})
     assert loss == pytest.approx((-s1 - s1 + s1 + s1) / 4) and grad == pytest.approx(
         [-s1 / 4, -s1 / 4, 0.0, s1 / 4, s1 / 4])
 
@@ -74,7 +76,7 @@ def test_cispo_weights_the_log_likelihood_with_the_clipped_ratio():
     # r = [1.5, 0.5, 1.0], A = [1, -1, 2], clip 0.2 / 0.2: weights [1.2, 0.8, 1.0]; l = -w A lp, grad -w A
     lp, lp_inf = ratios([1.5, 0.5, 1.0])
     loss, grad, metrics = run(lp, lp_inf, rl=([1.0, -1.0, 2.0], [T, T, T]), scales={"rl": 3, "ce": 0},
-                              policy="cispo", clip_low=0.2, clip_high=0.2)
+                              policy="cispo", cispo={"clip_low": 0.2, "clip_high": 0.2})
     assert loss == pytest.approx((-1.2 * lp[0] + 0.8 * lp[1] - 2.0 * lp[2]) / 3)
     assert grad == pytest.approx([-1.2 / 3, 0.8 / 3, -2.0 / 3])
     assert metrics["clipped_fraction"] == pytest.approx(2 / 3)
@@ -90,7 +92,7 @@ def test_sapo_soft_gate():
     lp, lp_inf = ratios([1.0, 2.0])
     scales = {"rl": 2, "ce": 0, "rl_sequences": 2, "ce_sequences": 0}
     loss, grad, _ = run(lp, lp_inf, rl=([1.0, -1.0], [T, T]), scales=scales, lengths=[1, 1], policy="sapo",
-                        tau_pos=1.0, tau_neg=2.0)
+                        sapo={"tau_pos": 1.0, "tau_neg": 2.0})
     # sapo's default aggregation is seq-mean-token-mean: each token is its own sequence here
     assert loss == pytest.approx((-2.0 + 2 * sig) / 2)
     assert grad == pytest.approx([-1.0 / 2, 4 * 2 * sig * (1 - sig) / 2])
@@ -128,7 +130,7 @@ def test_reinforce_with_truncated_weights_at_each_level(level, weights):
 def test_dppo_sequence_truncation_replaces_the_ratio_by_the_capped_sequence_weight():
     # seq r = [3, 1]: w = 3 -> 2; the policy term is -A * 2 in value and gradient on both tokens (kl_tau = 0)
     lp, lp_inf = ratios([3.0, 1.0])
-    wide = {"dppo_mask_high": 1.0, "dppo_mask_low": 1.0, "kl_tau": 0.0}
+    wide = {"dppo": {"mask_high": 1.0, "mask_low": 1.0, "kl_tau": 0.0}}
     loss, grad, _ = run(lp, lp_inf, rl=([1.0, 0.5], [T, T]), scales={"rl": 2, "ce": 0}, lengths=[2],
                         correction={"level": "sequence", "high": 2.0}, **wide)
     assert loss == pytest.approx((-2.0 - 1.0) / 2) and grad == pytest.approx([-1.0, -0.5])
@@ -142,7 +144,7 @@ def test_token_mask_drops_tokens_outside_the_bounds_from_the_whole_loss():
     # r = [3, 1.25, 0.25] with bounds [0.5, 2]: t0 and t2 leave the loss, kl term included; t1 stays (dppo)
     tau = 0.1
     lp, lp_inf = ratios([3.0, 1.25, 0.25])
-    wide = {"dppo_mask_high": 1.0, "dppo_mask_low": 1.0, "kl_tau": tau}
+    wide = {"dppo": {"mask_high": 1.0, "mask_low": 1.0, "kl_tau": tau}}
     loss, grad, metrics = run(lp, lp_inf, rl=([1.0, 1.0, 1.0], [T] * 3), scales={"rl": 3, "ce": 0},
                               correction={"mode": "mask", "low": 0.5, "high": 2.0}, **wide)
     x = log(1.25)
@@ -231,7 +233,7 @@ def loss_over(chunks, lengths, lp, lp_inf, rl, ce, config):
 
 @pytest.mark.parametrize("loss", [
     {}, {"aggregation": "seq-mean-token-mean"}, {"aggregation": "seq-mean-token-sum"},
-    {"aggregation": "seq-mean-token-sum-norm", "norm_tokens": 8}, {"policy": "ppo", "clip_c": 3.0},
+    {"aggregation": "seq-mean-token-sum-norm", "norm_tokens": 8}, {"policy": "ppo", "ppo": {"clip_c": 3.0}},
     {"policy": "gspo"}, {"policy": "cispo", "aggregation": "seq-mean-token-sum"}, {"policy": "sapo"},
     {"policy": "reinforce", "correction": {"level": "geometric", "high": 1.1}},
     {"correction": {"level": "sequence", "mode": "mask", "low": 0.8, "high": 1.25}},

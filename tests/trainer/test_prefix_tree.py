@@ -229,7 +229,7 @@ def test_shared_logprobs_entropies_and_gradients_equal_the_unshared(model):
 
 LOSSES = [
     {"policy": "dppo"},
-    {"policy": "ppo", "clip_c": 3.0, "aggregation": "seq-mean-token-sum"},
+    {"policy": "ppo", "ppo": {"clip_c": 3.0}, "aggregation": "seq-mean-token-sum"},
     {"policy": "gspo", "aggregation": "seq-mean-token-mean"},
     {"policy": "cispo", "aggregation": "seq-mean-token-sum-norm", "norm_tokens": 16},
     {"policy": "sapo", "correction": {"level": "geometric", "mode": "mask", "low": 0.05, "high": 20.0}},

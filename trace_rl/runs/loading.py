@@ -1,6 +1,6 @@
 """Loading a run's config: TOML and `--set` overrides into a `Config`, then every check that needs more
-than the schema: env ids and args, each env's algorithms and their options, model names (Hub ids in
-the cache when offline), stop tokens, tracker backends and LoRA targets. All problems are reported together in one
+than the schema: env ids and args, each env's algorithms and their options, the policy loss and its options,
+model names (Hub ids in the cache when offline), stop tokens, tracker backends and LoRA targets. All problems are reported together in one
 ConfigError: schema problems with those of the env and algorithm entries that parse on their own; the checks
 that need the whole config once the schema passes.
 
@@ -17,6 +17,7 @@ from trace_rl.algorithms.check import check_algorithm, check_algorithms
 from trace_rl.config import AlgorithmConfig, Config, ConfigError, parse_config, read_config_data
 from trace_rl.envs.lookup import check_env, check_envs
 from trace_rl.imports import import_modules
+from trace_rl.losses import loss_problems
 from trace_rl.models.hub import check_models
 from trace_rl.models.lora import check_lora
 from trace_rl.models.runtime import check_stop_tokens
@@ -32,7 +33,8 @@ def check_config(config: Config, on_this_machine: bool = False, envs: bool = Tru
     problems = import_modules(config.imports)
     if problems:  # the ids below may be theirs
         raise ConfigError(problems)
-    problems = (check_envs(config) if envs else []) + check_algorithms(config) + check_models(config)
+    problems = (check_envs(config) if envs else []) + check_algorithms(config) + loss_problems(config.trainer.loss)
+    problems += check_models(config)
     problems += check_stop_tokens(config)
     problems += check_trackers(config) + check_lora(config)
     if not problems:  # which engines exist depends on valid algorithm options

@@ -7,6 +7,7 @@ from typing import Literal
 
 from trace_rl.config import Config, config_hash, config_to_toml
 from trace_rl.errors import RefusedError
+from trace_rl.losses import loss_notes
 from trace_rl.runs.loading import check_config
 from trace_rl.runs.preflight import check_reachable
 from trace_rl.storage import RunStorage, check_run_version, check_wipe, eval_dir, first_unfinished_step, record_run_version
@@ -91,7 +92,7 @@ def prepare_run(config: Config, mode: Mode) -> tuple[RunStorage, int]:
                            "old config are not reused", storage.url, config_hash(config))
     storage.write_atomic(config_path, config_to_toml(config).encode())
     record_run_version(storage)
-    for note in config.trainer.loss.notes:
+    for note in loss_notes(config.trainer.loss):
         logger.warning(note)
     first = first_unfinished_step(storage)
     if mode == "resume":

@@ -1,8 +1,9 @@
-"""The training losses, one function each, over per-token logprobs of a packed micro-batch.
+"""The training losses over per-token logprobs of a packed micro-batch: the rl channel's policy loss (a registered
+loss, `trace_rl.losses`), the importance correction it sees, the ce loss, the KL penalty and the reduction.
 
 Every per-token tensor is 1-D and aligned with the packed tokens; a micro-batch holds whole
-sequences (training samples), `sequence_lengths` of them in order. A policy function gives
-each rl token's loss; `aggregate` turns a channel's token losses into its share of the step's
+sequences (training samples), `sequence_lengths` of them in order. The policy loss gives
+each rl token's loss; `reduce_token_losses` turns a channel's token losses into its share of the step's
 loss, dividing by *step-wide* counts (tokens or sequences with a token of that channel, over
 all micro-batches and all ranks, at least 1). Summing the micro-batch losses over a step
 therefore gives the step's loss whatever the packing and the number of ranks, and an echo
@@ -14,10 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pydantic import BaseModel
 
 from trace_rl.config import CorrectionConfig, KLConfig, LossConfig
+from trace_rl.losses import LossError, PolicyLoss, PolicyTokens, RegisteredLoss, resolve_loss
+from trace_rl.losses.tokens import per_sequence, sequence_mean
 
-Channel = tuple[torch.Tensor, torch.Tensor]  # (values float, mask bool), both aligned with the tokens
+TokenChannel = tuple[torch.Tensor, torch.Tensor]  # (values float, mask bool), both aligned with the tokens
 
 
 # -- sequences ------------------------------------------------------------------------------
@@ -34,11 +38,6 @@ def sequence_index(sequence_lengths: Sequence[int] | torch.Tensor | None, num_to
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths), len(lengths)
 
 
-def per_sequence(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """`s_i = sum_{t in sequence i} values_t`, one per sequence (differentiable)."""
-    return values.new_zeros(count).index_add(0, index, values)
-
-
 # -- importance weights -------------------------------------------------------------------------
 
 
@@ -53,10 +52,9 @@ def log_importance_weight(log_r: torch.Tensor, mask: torch.Tensor, index: torch.
     log_r = log_r.detach()
     if level == "token":
         return log_r
-    total = per_sequence(log_r, index, count)
     if level == "geometric":
-        total = total / per_sequence(mask.to(log_r.dtype), index, count).clamp(min=1)
-    return total[index]
+        return sequence_mean(log_r, mask, index, count)
+    return per_sequence(log_r, index, count)[index]
 
 
 def truncated_ratio(log_r: torch.Tensor, max_is_ratio: float | None) -> torch.Tensor:
@@ -98,112 +96,16 @@ def correction_keep(log_w: torch.Tensor, correction: CorrectionConfig | None) ->
     return (w >= (correction.low or 0.0)) & (w <= correction.high)
 
 
-# -- policy losses: per-token loss of the rl channel ------------------------------------------------
-
-
-def trust_region_keep(
-    advantages: torch.Tensor, lp: torch.Tensor, lp_inf: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
-    """DPPO trust-region mask on the probability difference `dp = exp(lp) - exp(lp_inf)`.
-
-    A token leaves the policy term when the update would push it further out of the
-    region: `A > 0 and dp > dppo_mask_high`, or `A < 0 and dp < -dppo_mask_low`.
-    """
-    dp = torch.exp(lp.detach()) - torch.exp(lp_inf)
-    dropped = ((advantages > 0) & (dp > config.dppo_mask_high)) | ((advantages < 0) & (dp < -config.dppo_mask_low))
-    return ~dropped
-
-
-def dppo_token_loss(lp: torch.Tensor, lp_inf: torch.Tensor, log_r: torch.Tensor, advantages: torch.Tensor,
-                    ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """DPPO (prime-rl): importance-weighted policy gradient with the trust-region mask and a squared-log-ratio KL.
-
-        l_t = -keep_t * A_t * r~_t + kl_tau * log_r_t**2
-        d l_t / d lp_t = -keep_t * A_t * w~_t + 2 * kl_tau * log_r_t
-
-    `ratio` is r~ (`weighted_ratio`): r without a correction, min(r, C) with max_is_ratio = C.
-    """
-    keep = trust_region_keep(advantages, lp, lp_inf, config)
-    policy = torch.where(keep, advantages * ratio, torch.zeros_like(lp))
-    return -policy + config.kl_tau * log_r**2
-
-
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
-                      clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate with separate bounds (DAPO's clip-higher) and the optional dual clip.
-
-        l_t = max(-r_t A_t, -clip(r_t, 1 - clip_low, 1 + clip_high) A_t)
-        dual clip (clip_c, Ye et al. 2020), where A_t < 0:  l_t = min(l_t, -clip_c A_t)
-
-    Schulman et al. 2017; Yu et al. 2025 (DAPO). Returns (l, whether the clipped branch is the one taken).
-    """
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    taken = clipped > unclipped
-    if clip_c is not None:
-        floor = -clip_c * advantages
-        dual = (advantages < 0) & (loss > floor)
-        loss = torch.where(dual, floor, loss)
-        taken = taken | dual
-    return loss, taken
-
-
-def ppo_token_loss(log_r: torch.Tensor, advantages: torch.Tensor, config: LossConfig):
-    """ppo: `clipped_surrogate` of the token ratio r_t = exp(lp_t - lp_inf_t) (the sampler is the behaviour policy)."""
-    return clipped_surrogate(torch.exp(log_r), advantages, *config.clip, config.clip_c)
-
-
-def gspo_token_loss(log_r: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
-                    count: int, config: LossConfig):
-    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the clipped surrogate of the sequence ratio.
-
-        s_i = exp(mean_{t in seq i, t in mask} log_r_t)
-        s_it = sg(s_i) * exp(log_r_t - sg(log_r_t))        (value s_i, gradient s_i ∇lp_t)
-        l_t = max(-s_it A_t, -clip(s_it, 1 - clip_low, 1 + clip_high) A_t)
-    """
-    log_s = log_importance_weight(log_r, mask, index, count, "geometric")
-    ratio = torch.exp(log_s + log_r - log_r.detach())
-    return clipped_surrogate(ratio, advantages, *config.clip)
-
-
-def cispo_token_loss(lp: torch.Tensor, log_r: torch.Tensor, advantages: torch.Tensor, config: LossConfig):
-    """CISPO (MiniMax-M1, arXiv 2506.13585): the clipped ratio as a stop-gradient weight of the log-likelihood.
-
-        l_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t lp_t,    d l_t / d lp_t = -clip(r_t, ...) A_t
-    """
-    low, high = config.clip
-    r = torch.exp(log_r.detach())
-    weight = torch.clamp(r, 1 - low, 1 + high)
-    return -weight * advantages * lp, weight != r
-
-
-def sapo_token_loss(log_r: torch.Tensor, advantages: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate instead of a hard clip.
-
-        tau_t = tau_pos if A_t > 0 else tau_neg
-        l_t = -A_t * sigmoid(tau_t (r_t - 1)) * 4 / tau_t
-        d l_t / d lp_t = -A_t * 4 r_t sigmoid'(tau_t (r_t - 1)),  = -A_t at r_t = 1
-    """
-    tau_pos, tau_neg = config.taus
-    tau = torch.where(advantages > 0, torch.full_like(log_r, tau_pos), torch.full_like(log_r, tau_neg))
-    return -advantages * torch.sigmoid(tau * (torch.exp(log_r) - 1)) * 4 / tau
-
-
-def reinforce_token_loss(lp: torch.Tensor, advantages: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """REINFORCE (Williams 1992) with the correction's importance weight: `l_t = -sg(w_t) A_t lp_t` (w = 1 without
-    a correction, min(w, high) when truncating)."""
-    if weight is None:
-        return -advantages * lp
-    return -weight.detach() * advantages * lp
+# -- the rl channel: the policy loss of its tokens ------------------------------------------------------
 
 
 def rl_token_loss(lp: torch.Tensor, lp_inf: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  index: torch.Tensor, count: int, config: LossConfig):
-    """Each rl token's loss under `config.policy` and `config.correction` (0 outside `mask`), and per token
-    whether the correction truncated it, masked it, and the policy clipped it (bool tensors)."""
+                  index: torch.Tensor, count: int, loss: RegisteredLoss, options: BaseModel,
+                  correction: CorrectionConfig | None) -> tuple[torch.Tensor, ...]:
+    """Each rl token's loss under the policy loss `loss` with its `options`, and `correction` (0 outside `mask`),
+    and per token whether the correction truncated it or masked it, and the policy clipped it or dropped it (bool
+    tensors; the last two only on the tokens left in the loss)."""
     log_r = torch.where(mask, lp - lp_inf, torch.zeros_like(lp))  # zero outside the mask: exp never overflows there
-    correction = config.importance_correction
     level = correction.level if correction is not None else "token"
     log_w = log_importance_weight(log_r, mask, index, count, level)
     keep = correction_keep(log_w, correction)
@@ -214,26 +116,21 @@ def rl_token_loss(lp: torch.Tensor, lp_inf: torch.Tensor, advantages: torch.Tens
         mask = mask & keep
         log_r = torch.where(keep, log_r, torch.zeros_like(log_r))
         log_w = torch.where(keep, log_w, torch.zeros_like(log_w))
-    clipped = torch.zeros_like(mask)
-    if config.policy == "dppo":
-        ratio = weighted_ratio(log_r, None if level == "token" else log_w, cap)
-        per_token = dppo_token_loss(lp, lp_inf, log_r, advantages, ratio, config)
-    elif config.policy == "ppo":
-        per_token, clipped = ppo_token_loss(log_r, advantages, config)
-    elif config.policy == "gspo":
-        per_token, clipped = gspo_token_loss(log_r, advantages, mask, index, count, config)
-    elif config.policy == "cispo":
-        per_token, clipped = cispo_token_loss(lp, log_r, advantages, config)
-    elif config.policy == "sapo":
-        per_token = sapo_token_loss(log_r, advantages, config)
-    elif config.policy == "reinforce":
-        weight = None if correction is None else torch.exp(log_w)
-        if cap is not None:
-            weight = torch.clamp(weight, max=cap)
-        per_token = reinforce_token_loss(lp, advantages, weight)
-    else:
-        raise ValueError(f"unknown trainer.loss.policy {config.policy!r}")
-    return torch.where(mask, per_token, torch.zeros_like(per_token)), truncated, masked, mask & clipped
+    weight = None if correction is None else torch.exp(log_w)
+    if cap is not None:
+        weight = torch.clamp(weight, max=cap)
+    tokens = PolicyTokens(lp=lp, lp_inf=lp_inf, advantages=advantages, mask=mask, log_r=log_r,
+                          ratio=weighted_ratio(log_r, None if level == "token" else log_w, cap), weight=weight,
+                          sequence=index, sequences=count)
+    result = loss.function(tokens, options)
+    result = result if isinstance(result, PolicyLoss) else PolicyLoss(result)
+    if not isinstance(result.loss, torch.Tensor) or result.loss.shape != lp.shape:
+        got = tuple(result.loss.shape) if isinstance(result.loss, torch.Tensor) else type(result.loss).__name__
+        raise LossError(f"policy loss {loss.name!r} returned {got}: it must return one loss per token, a tensor "
+                        f"of shape {tuple(lp.shape)}")
+    clipped, dropped = (mask & flags if flags is not None else torch.zeros_like(mask)
+                        for flags in (result.clipped, result.dropped))
+    return torch.where(mask, result.loss, torch.zeros_like(result.loss)), truncated, masked, clipped, dropped
 
 
 def ce_token_loss(lp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -280,7 +177,7 @@ def kl_penalty(lp: torch.Tensor, lp_ref: torch.Tensor, mask: torch.Tensor, kl: K
 # -- aggregation -------------------------------------------------------------------------------------
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, count: int, tokens: float,
+def reduce_token_losses(per_token: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, count: int, tokens: float,
               sequences: float, mode: str, norm_tokens: int | None = None) -> torch.Tensor:
     """One channel's share of the step's loss: its token losses `l_t` (0 outside `mask`) over the step-wide
     `tokens` (tokens in the mask) or `sequences` (sequences with a token in it), both at least 1.
@@ -350,15 +247,16 @@ def ratio_stats(lp: torch.Tensor, lp_inf: torch.Tensor, mask: torch.Tensor, inde
 def compute_loss(
     lp: torch.Tensor,
     lp_inf: torch.Tensor,
-    channels: dict[str, Channel],
+    channels: dict[str, TokenChannel],
     scales: dict[str, float],
     config: LossConfig,
     sequence_lengths: Sequence[int] | torch.Tensor | None = None,
     lp_ref: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`loss = aggregate(rl token losses) + aggregate(ce token losses)` for one micro-batch, and its metrics;
-    with `config.kl`, plus `aggregate(coef * estimator(lp - lp_ref))` over the rl tokens (`loss/kl`), where
-    `lp_ref` are the reference model's logprobs of the tokens (aligned with `lp`).
+    """`loss = reduce_token_losses(rl token losses) + reduce_token_losses(ce token losses)` for one micro-batch,
+    and its metrics; with `config.kl`, plus the same reduction of `coef * estimator(lp - lp_ref)` over the rl
+    tokens (`loss/kl`), where `lp_ref` are the reference model's logprobs of the tokens (aligned with `lp`). The
+    rl token losses are those of the registered policy loss `config.policy` (`trace_rl.losses`).
 
     `channels` maps "rl" and "ce" to (values, mask); rl values are the advantages,
     ce values the token weights. `scales` maps the same names to the step-wide token
@@ -372,8 +270,8 @@ def compute_loss(
     so summing them over micro-batches (and ranks) gives the step's value: per-channel losses
     and token counts; over rl tokens the mean |lp - lp_inf|, the mean k3 mismatch KL, the
     fractions the correction truncated (`mismatch/is_capped_fraction`) or masked
-    (`mismatch/masked_fraction`), the policy clipped (`clipped_fraction`) and the trust region
-    dropped; the raw ratios (`ratio_stats`). Metrics are detached 0-d tensors so a step can sum
+    (`mismatch/masked_fraction`), the policy loss clipped (`clipped_fraction`) and its trust region
+    dropped (`trust_region_masked`), of the tokens left in the loss; the raw ratios (`ratio_stats`). Metrics are detached 0-d tensors so a step can sum
     and all-reduce them without a sync each. A micro-batch without masked tokens gives a zero
     loss still attached to `lp`, so its backward runs (and yields zero gradients).
     """
@@ -383,26 +281,25 @@ def compute_loss(
     ce_values, ce_mask = channels["ce"]
     rl_values, ce_values = rl_values.float(), ce_values.float()
     index, count = sequence_index(sequence_lengths, len(lp), lp.device)
-    mode = config.aggregation_mode
+    policy, options, mode = resolve_loss(config)
     rl_tokens, ce_tokens = float(scales["rl"]), float(scales["ce"])
     rl_sequences, ce_sequences = float(scales.get("rl_sequences", 0)), float(scales.get("ce_sequences", 0))
     if mode != "token-mean" and ("rl_sequences" not in scales or "ce_sequences" not in scales):
         raise ValueError(f"aggregation {mode!r} needs the step-wide 'rl_sequences' and 'ce_sequences' in scales")
 
-    per_token, truncated, masked, clipped = rl_token_loss(lp, lp_inf, rl_values, rl_mask, index, count, config)
-    rl = aggregate(per_token, rl_mask, index, count, rl_tokens, rl_sequences, mode, config.norm_tokens)
-    ce = aggregate(ce_token_loss(lp, ce_values, ce_mask), ce_mask, index, count, ce_tokens, ce_sequences, mode,
-                   config.norm_tokens)
+    per_token, truncated, masked, clipped, dropped = rl_token_loss(lp, lp_inf, rl_values, rl_mask, index, count,
+                                                                   policy, options, config.importance_correction)
+    rl = reduce_token_losses(per_token, rl_mask, index, count, rl_tokens, rl_sequences, mode, config.norm_tokens)
+    ce = reduce_token_losses(ce_token_loss(lp, ce_values, ce_mask), ce_mask, index, count, ce_tokens, ce_sequences,
+                             mode, config.norm_tokens)
     kl = None
     if config.kl is not None:
         if lp_ref is None:
             raise ValueError("trainer.loss.kl needs the reference's logprobs (lp_ref): the batch has no ref_logprobs")
-        kl = aggregate(kl_penalty(lp, lp_ref.float(), rl_mask, config.kl), rl_mask, index, count, rl_tokens,
-                       rl_sequences, mode, config.norm_tokens)
+        kl = reduce_token_losses(kl_penalty(lp, lp_ref.float(), rl_mask, config.kl), rl_mask, index, count,
+                                 rl_tokens, rl_sequences, mode, config.norm_tokens)
     rl_scale = max(rl_tokens, 1.0)
     with torch.no_grad():
-        dropped = (rl_mask & ~trust_region_keep(rl_values, lp, lp_inf, config) if config.policy == "dppo"
-                   else torch.zeros_like(rl_mask))
         metrics = {
             "loss/rl": rl.detach(),
             "loss/ce": ce.detach(),

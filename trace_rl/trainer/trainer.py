@@ -31,11 +31,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from trace_rl.config import Config, LossConfig
+from trace_rl.config import Config, ConfigError, LossConfig
 from trace_rl.data.sample import TrainingSample
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage, step_name
+from trace_rl.imports import import_modules
+from trace_rl.losses import resolve_loss
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
@@ -216,9 +218,14 @@ def combine(name: str, total: torch.Tensor | None, value: torch.Tensor) -> torch
 
 def resolved_loss_config(config: Config) -> LossConfig:
     """`[trainer.loss]` with `norm_tokens` set where seq-mean-token-sum-norm needs it and left it unset: the
-    largest `max_completion_tokens` of the run's sampling ([sampling] and every [env.sampling])."""
+    largest `max_completion_tokens` of the run's sampling ([sampling] and every [env.sampling]). The config's
+    `imports` are imported first: a loss of theirs is registered in every process that trains (torchrun ranks
+    too)."""
+    problems = import_modules(config.imports)
+    if problems:
+        raise ConfigError(problems)
     loss = config.trainer.loss
-    if loss.aggregation_mode != "seq-mean-token-sum-norm" or loss.norm_tokens is not None:
+    if resolve_loss(loss)[2] != "seq-mean-token-sum-norm" or loss.norm_tokens is not None:
         return loss
     largest = max(config.sampling_for(env).max_completion_tokens for env in config.env)
     return loss.model_copy(update={"norm_tokens": largest})
@@ -264,6 +271,7 @@ class Trainer:
     def __init__(self, config: Config, storage: RunStorage):
         self.config = config
         self.storage = storage
+        self.loss_config = resolved_loss_config(config)  # before the model loads: a bad loss fails at once
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -305,7 +313,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(t.warmup_steps))
         # a checkpoint written in the background reads the live parameters and AdamW state: the next step waits for it
         self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpoint.WRITER.wait())
-        self.loss_config = resolved_loss_config(config)
         self.step: int | None = None
         self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
 
