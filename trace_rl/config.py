@@ -234,8 +234,9 @@ class CorrectionConfig(Strict):
         "token", description="the weight w: token: w_t = r_t; sequence: w = exp(sum of the sequence's log ratios); "
         "geometric: w = exp(their mean over the sequence's rl tokens)")
     mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="truncate: the token's weight becomes sg(min(w, high)) (TIS; dppo and reinforce "
-        "only); mask: a token (or sequence) with w outside [low, high] leaves the loss (MIS / IcePop)")
+        "truncate", description="truncate: the token's weight becomes sg(min(w, high)) (TIS; only losses that "
+        "weigh tokens by it: dppo, reinforce); mask: a token (or sequence) with w outside [low, high] leaves the "
+        "loss (MIS / IcePop)")
     low: float | None = Field(None, ge=0, description="mode = 'mask' only: the lower bound of w (unset: 0, none)")
     high: float = Field(..., gt=0, description="truncate: the cap of w; mask: the upper bound of w")
 
@@ -495,8 +496,9 @@ class Config(Strict):
         "password, ...) stay out of config.toml, flow parameters and the config hash; 'env:VARIABLE' or "
         "'prefect-secret:BLOCK' reads one when the run opens its storage (docs/storage.md)")
     imports: list[str] = Field(default_factory=list, description="modules imported before env and algorithm ids "
-                               "are looked up, so that their @register_env and @register_algorithm short ids resolve, e.g. "
-                               "['my_envs']; found like import paths (docs/envs.md)")
+                               "and the policy loss are looked up, so that their @register_env, @register_algorithm "
+                               "and @register_loss names resolve, e.g. ['my_envs']; found like import paths "
+                               "(docs/envs.md); the trainer's processes import them too")
     actor: str = Field(POLICY, description="which model samples rollouts: 'policy' or a [models.<key>] with tokens")
     algorithms: list[AlgorithmSpec] = Field(default_factory=lambda: [AlgorithmConfig(id="grpo")], description=
                                               "default for every env: ids or {id = ..., <options>} tables")

@@ -1,7 +1,10 @@
 """[trainer.loss] options end to end on the hf backend: a KL penalty's reference scored into the batch and its
-term logged, and a replay with another policy loss training differently on the same traces."""
+term logged, a replay with another policy loss training differently on the same traces, and the docs' loss of
+your own trained through the CLI on two torchrun ranks."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -10,6 +13,8 @@ from tests.flows.conftest import small_config
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_kl_step_carries_the_reference_logprobs_in_the_batch_and_logs_loss_kl(prefect_api, tmp_path):
@@ -61,3 +66,30 @@ def test_replay_with_set_policy_cispo_trains_differently_on_the_same_traces(sour
     assert default.keys() == cispo.keys()
     assert all((default[k] == again[k]).all() for k in default)  # the same traces and loss: bitwise the same
     assert any(not (default[k] == cispo[k]).all() for k in default)  # another loss: other weights
+
+
+def test_the_docs_own_loss_trains_through_the_cli_on_two_ranks(prefect_api, tmp_path, tiny_model_path):
+    """`trace-rl train configs/topr.toml` for one step on the hf sampler and two torchrun ranks, each of which
+    imports configs/losses/topr.py to find "topr": the logged rl loss is topr's on the step's batch (on-policy every
+    weight is 1 within the sampler/trainer mismatch: -sum A_t lp_t / N, not dppo's -sum A_t r_t / N) and the
+    weights moved."""
+    import numpy as np
+    from safetensors.numpy import load, load_file
+
+    from flows.cli import main
+    from trace_rl.tables import read_batch
+
+    sets = [f"storage={tmp_path}", "steps=1", "inference.backend=hf", "env.0.batch_size=2", "env.0.group_size=4",
+            "trainer.num_processes=2", "trainer.micro_batch_tokens=256"]
+    assert main(["train", str(ROOT / "configs" / "topr.toml"), *(a for s in sets for a in ("--set", s))]) == 0
+    storage = RunStorage(str(tmp_path), "topr")
+    logged = storage.read_json(storage.step_path(1, "metrics.json"))["train/loss/rl"]
+    batch = read_batch(storage, 1)
+    tokens = sum(int(s.rl_mask.sum()) for s in batch)
+    advantage_sum = sum(float(s.rl_values[s.rl_mask].sum()) for s in batch)
+    expected = -sum(float((s.rl_values * s.inference_logprobs)[s.rl_mask].sum()) for s in batch) / tokens
+    assert logged == pytest.approx(expected, rel=1e-4)
+    assert -advantage_sum / tokens != pytest.approx(expected, rel=1e-2)  # about dppo's loss: far from topr's
+    trained = load(storage.read_bytes(storage.path("weights", "000001", "model.safetensors")))
+    base = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    assert any(not np.array_equal(trained[k], base[k]) for k in base)

@@ -270,9 +270,10 @@ def compute_loss(
     so summing them over micro-batches (and ranks) gives the step's value: per-channel losses
     and token counts; over rl tokens the mean |lp - lp_inf|, the mean k3 mismatch KL, the
     fractions the correction truncated (`mismatch/is_capped_fraction`) or masked
-    (`mismatch/masked_fraction`), the policy loss clipped (`clipped_fraction`) and its trust region
-    dropped (`trust_region_masked`), of the tokens left in the loss; the raw ratios (`ratio_stats`). Metrics are detached 0-d tensors so a step can sum
-    and all-reduce them without a sync each. A micro-batch without masked tokens gives a zero
+    (`mismatch/masked_fraction`), the policy loss clipped (`clipped_fraction`) and its trust
+    region dropped (`trust_region_masked`), of the tokens left in the loss; the raw ratios
+    (`ratio_stats`). Metrics are detached 0-d tensors so a step can sum and all-reduce them
+    without a sync each. A micro-batch without masked tokens gives a zero
     loss still attached to `lp`, so its backward runs (and yields zero gradients).
     """
     lp = lp.float()

@@ -33,11 +33,11 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from trace_rl.config import Config, ConfigError, LossConfig
 from trace_rl.data.sample import TrainingSample
+from trace_rl.imports import import_modules
+from trace_rl.losses import resolve_loss
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage, step_name
-from trace_rl.imports import import_modules
-from trace_rl.losses import resolve_loss
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
