@@ -41,7 +41,7 @@ LOSSES: dict[str, RegisteredLoss] = {}
 
 
 def register_loss(name: str, Options: type[BaseModel] = NoOptions, *, aggregation: Aggregation = "token-mean",
-                  truncatable: bool = False):
+                  truncatable: bool = False) -> Callable[[LossFunction], LossFunction]:
     """Decorator adding the policy loss `fn(tokens: PolicyTokens, options: Options) -> Tensor | PolicyLoss` under
     `name`. `Options` is the pydantic model of `[trainer.loss.<name>]` and must forbid extra keys.
     `aggregation` is the loss's default aggregation. `truncatable`: the loss weighs each token by the importance
