@@ -1,8 +1,8 @@
 """Loading a run's config: TOML and `--set` overrides into a `Config`, then every check that needs more
 than the schema: env ids and args, each env's algorithms and their options, the policy loss and its options,
-model names (Hub ids in the cache when offline), stop tokens, tracker backends and LoRA targets. All problems are reported together in one
-ConfigError: schema problems with those of the env and algorithm entries that parse on their own; the checks
-that need the whole config once the schema passes.
+model names (Hub ids in the cache when offline), stop tokens, tracker backends and LoRA targets. All problems are
+reported together in one ConfigError: schema problems with those of the env and algorithm entries that parse on
+their own; the checks that need the whole config once the schema passes.
 
 Everything that starts a run goes through here (the CLI, `prepare_run` for runs started from
 the Prefect UI, replay), so a bad config fails before any flow run or model load.
