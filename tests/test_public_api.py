@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC = [
     "Algorithm", "AlgorithmConfig", "AlgorithmError", "Branch", "Channel", "Conversation", "EnvError", "Environment",
-    "Example", "Message", "ModelRuntime", "NoOptions", "RetryableError", "Sampler", "Trace", "TrainingSample",
-    "apply_algorithm", "group_traces", "load_algorithm", "load_env", "ok_traces", "register_algorithm", "register_env",
-    "sampled_mask", "set_on_sampled",
+    "Example", "LossError", "Message", "ModelRuntime", "NoOptions", "PolicyLoss", "PolicyTokens", "RetryableError",
+    "Sampler", "Trace", "TrainingSample", "apply_algorithm", "group_traces", "load_algorithm", "load_env", "ok_traces",
+    "register_algorithm", "register_env", "register_loss", "sampled_mask", "set_on_sampled",
 ]
 
 
@@ -69,7 +69,7 @@ def mypy(folder: Path, cache: Path) -> subprocess.CompletedProcess:
 
 def test_the_docs_extension_examples_type_check_and_a_wrong_attribute_fails(tmp_path):
     examples = extension_examples()
-    assert {"algorithms", "envs", "remote"} <= {name.split("_example_")[0] for name in examples}
+    assert {"algorithms", "envs", "remote", "trainer"} <= {name.split("_example_")[0] for name in examples}
     good, bad = tmp_path / "good", tmp_path / "bad"
     for folder in (good, bad):
         folder.mkdir()

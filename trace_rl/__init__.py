@@ -38,6 +38,9 @@ PUBLIC = {
     "Conversation": "trace_rl.models.render",
     "ModelRuntime": "trace_rl.models.runtime",
     "RetryableError": "trace_rl.errors",
+    # policy losses
+    **dict.fromkeys(["LossError", "register_loss"], "trace_rl.losses.registry"),
+    **dict.fromkeys(["PolicyLoss", "PolicyTokens"], "trace_rl.losses.tokens"),
     # options of algorithms, envs and losses
     "NoOptions": "trace_rl.options",
 }
@@ -58,6 +61,8 @@ if TYPE_CHECKING:
     from trace_rl.envs.lookup import load_env
     from trace_rl.envs.registry import register_env
     from trace_rl.errors import RetryableError
+    from trace_rl.losses.registry import LossError, register_loss
+    from trace_rl.losses.tokens import PolicyLoss, PolicyTokens
     from trace_rl.models.render import Conversation
     from trace_rl.models.runtime import ModelRuntime
     from trace_rl.options import NoOptions

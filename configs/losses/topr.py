@@ -3,7 +3,7 @@
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.losses import PolicyLoss, PolicyTokens, register_loss
+from trace_rl import PolicyLoss, PolicyTokens, register_loss
 
 
 class TOPROptions(BaseModel):
