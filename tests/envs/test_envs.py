@@ -14,7 +14,7 @@ from trace_rl.data.trace import Trace
 from trace_rl.envs import EnvError, Environment, Sampler, load_env, resolve_env_class
 from trace_rl.envs.alphabet_sort import answer_lines
 from trace_rl.envs.similarity import similarity
-from trace_rl.envs.tool_calls import parse_tool_calls
+from trace_rl.models.tool_calls import parse_tool_calls
 from trace_rl.models.render import Renderer
 from trace_rl.models.tiny import build_tokenizer
 

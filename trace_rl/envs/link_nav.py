@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from trace_rl.data.trace import Message, ToolCall, Trace
 from trace_rl.envs.base import Environment, Example, Sampler
 from trace_rl.envs.registry import register_env
-from trace_rl.envs.tool_calls import parse_tool_calls
+from trace_rl.models.tool_calls import parse_tool_calls
 
 WORDS = (
     "oak", "elm", "fig", "ash", "bay", "ivy", "yew", "rye", "kelp", "moss", "fern", "sage", "reed", "lime", "pine",

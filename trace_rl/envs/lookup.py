@@ -38,11 +38,15 @@ def resolve_env_class(env_id: str) -> type[Environment]:
 
 
 def add_import_paths(paths: Sequence[str]) -> None:
-    """Put an env's `import_paths` at the front of sys.path (once each), so the modules they hold import by name."""
+    """Put an env's `import_paths` at the front of sys.path and of PYTHONPATH (once each), so the modules they hold
+    import by name here and in the processes started from here (a verifiers env's tool servers)."""
     for path in reversed(paths):
         folder = os.path.abspath(path)
         if folder not in sys.path:
             sys.path.insert(0, folder)
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if folder not in inherited:
+            os.environ["PYTHONPATH"] = os.pathsep.join([folder, *inherited])
 
 
 def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = (),

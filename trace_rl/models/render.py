@@ -18,6 +18,9 @@ Attribution (per character of the rendered text, then per token by its first cha
     whitespace (its footer); `is_content` marks the content, and for an assistant message
     everything up to its end-of-turn (tool calls included);
   - text owned by no message (a tools preamble, the generation prompt) gets -1.
+
+Tool schemas are rendered by the template when it takes `tools`, else into the system turn
+(`trace_rl.models.tool_schemas`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from trace_rl.data.trace import Branch, Message
+from trace_rl.models import tool_schemas
 from trace_rl.models.runtime import Generation
 
 SENTINELS = "\x00\x01\x02"
@@ -97,10 +101,15 @@ class Renderer:
         self.tools = tools or None
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self.template_takes_tools = self.tools is None or tool_schemas.probe(tokenizer)[0]
 
     def text(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+        """The template's rendering; tools it ignores are in the system turn (`tool_schemas.tools_block`)."""
+        chat = [template_message(m) for m in messages]
+        if not self.template_takes_tools:
+            chat = tool_schemas.with_tools_in_system_turn(chat, self.tools)
         return self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages], tools=self.tools,
+            chat, tools=self.tools if self.template_takes_tools else None,
             tokenize=False, add_generation_prompt=add_generation_prompt,
         )
 

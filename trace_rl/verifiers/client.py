@@ -12,6 +12,11 @@ whole prompt; a later turn takes the earlier turns' exact ids from the trace (`P
 previous prompt and sampled completion) and appends only the footer of the sampled turn, the new messages and the
 generation prompt (`trace_rl.models.render.Renderer.extend`), so no sampled token is ever re-tokenized. Each
 message's token span and the per-token content mask go back to verifiers with the sampled ids and logprobs.
+
+Tool calls: a sampled turn's `<tool_call>` blocks (`trace_rl.models.tool_calls`) go back to verifiers as the
+assistant message's `tool_calls`, the text before them as its content; the sampled ids stay the turn's tokens, so
+what is trained is what was sampled. The tools of the turn reach the prompt through `Renderer` (the template's
+rendering, or trace-rl's system-turn block for a template that ignores them).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from trace_rl.data.trace import Message, ToolCall
 from trace_rl.models.render import Rendered, Renderer
+from trace_rl.models.tool_calls import parse_tool_calls
 from trace_rl.models.runtime import Generation
 
 SAMPLER_HEADER = "X-Trace-RL-Sampler"
@@ -88,6 +94,18 @@ def to_message(message: Any) -> Message:
                    tool_calls=calls)
 
 
+def assistant_message(text: str, call_prefix: str):
+    """A sampled turn as verifiers' assistant message: its tool calls (`trace_rl.models.tool_calls`, ids
+    `<call_prefix>-<i>`) with the text before them as content; a turn with a malformed call is all content."""
+    from verifiers.v1.types import AssistantMessage
+    from verifiers.v1.types import ToolCall as VfToolCall
+
+    parsed = parse_tool_calls(text, call_prefix).message
+    calls = [VfToolCall(id=call.id, name=call.name, arguments=json.dumps(call.arguments))
+             for call in parsed.tool_calls or ()]
+    return AssistantMessage(content=parsed.content, tool_calls=calls or None)
+
+
 def message_spans(message_index: np.ndarray, count: int, offset: int = 0, first: int = 0) -> list:
     """Per message of `count`: the (start, end) of the tokens it owns, shifted by `offset`, or None (the messages
     before `first` and those the template does not show)."""
@@ -123,7 +141,7 @@ class SamplerClient:
     async def get_response(self, dialect, body: dict, sampling, session_id: str | None = None, turn=None,
                            headers: Mapping[str, str] | None = None):
         from verifiers.v1.clients.train import serialize_completion, tool_to_wire
-        from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage
+        from verifiers.v1.types import Response, TurnTokens, Usage
 
         if turn is None:
             raise RuntimeError("verifiers sent a turn without its graph prefix; trace-rl needs verifiers 0.4.0")
@@ -141,7 +159,7 @@ class SamplerClient:
         model = body.get("model", "")
         response = Response(
             id=f"trace-rl-{session_id}-{turns}", created=0, model=model,
-            message=AssistantMessage(content=text),
+            message=assistant_message(text, f"call-{conversation}-{turns}"),
             finish_reason="stop" if generation.finish_reason == "stop" else "length",
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)),
             tokens=TurnTokens(prompt_ids=prompt_ids, completion_ids=ids,

@@ -1,6 +1,8 @@
 """The chat harness trace-rl gives a verifiers agent that names none: in this process, no program, no sandbox, no
 download. Each segment posts the conversation so far as one chat completion to the rollout's interception endpoint
-(verifiers records the turn and samples it through the rollout's client) and ends.
+(verifiers records the turn and samples it through the rollout's client), runs the tool calls of the reply on the
+rollout's MCP tool servers (`trace_rl.verifiers.mcp_tools`), appends their results and posts again, until a reply
+calls no tool or verifiers refuses the turn (the agent's `max_turns`, a @stop, the context length).
 
 verifiers loads a harness by id, importing the module the id names (`trace-rl-chat` -> `trace_rl_chat`) and taking
 the `vf.Harness` subclass in its `__all__`; importing this module makes it importable under that name.
@@ -14,6 +16,8 @@ import httpx
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
+from trace_rl.verifiers.mcp_tools import ToolServers
+
 HARNESS_ID = "trace-rl-chat"
 sys.modules.setdefault(HARNESS_ID.replace("-", "_"), sys.modules[__name__])
 
@@ -23,9 +27,11 @@ class ChatHarnessConfig(vf.HarnessConfig):
 
 
 class ChatHarness(vf.Harness[ChatHarnessConfig]):
-    """One chat completion per segment; a later segment (a user's reply) resumes on the accreted conversation."""
+    """Chat completions with tool calls run between them; a later segment (a user's reply) resumes on the accreted
+    conversation."""
 
     APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_MCP = True
     SUPPORTS_RESUME = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
@@ -38,13 +44,24 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages += [message_to_wire(message) for message in prompt or []]
+        tools = await ToolServers.connect(mcp_urls, self.config.tool_timeout)
         async with httpx.AsyncClient(timeout=None) as client:
-            response = await client.post(f"{endpoint.rstrip('/')}/chat/completions",
-                                         headers={"Authorization": f"Bearer {secret}"},
-                                         json={"model": ctx.model, "messages": messages})
-        if response.status_code != 200:
-            return vf.ProgramResult(exit_code=1, stdout="", stderr=f"HTTP {response.status_code}: {response.text}")
-        return vf.ProgramResult(exit_code=0, stdout=response.text, stderr="")
+            body = {"model": ctx.model, "messages": messages}
+            if tools.schemas:
+                body["tools"] = tools.schemas
+            while True:
+                response = await client.post(f"{endpoint.rstrip('/')}/chat/completions",
+                                             headers={"Authorization": f"Bearer {secret}"}, json=body)
+                if response.status_code != 200:  # verifiers refused the turn; a stopped rollout expects that
+                    return vf.ProgramResult(exit_code=1, stdout="",
+                                            stderr=f"HTTP {response.status_code}: {response.text}")
+                message = response.json()["choices"][0]["message"]
+                messages.append({key: value for key, value in message.items() if value is not None})
+                if not message.get("tool_calls"):
+                    return vf.ProgramResult(exit_code=0, stdout=response.text, stderr="")
+                for call in message["tool_calls"]:
+                    content = await tools.call(call["function"]["name"], call["function"].get("arguments"))
+                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
 
 
 __all__ = ["ChatHarness", "ChatHarnessConfig"]

@@ -1,0 +1,32 @@
+"""The MCP tool server of `facts_tools`, run by verifiers as `python -m facts_tools.server`."""
+
+import os
+import time
+
+import verifiers.v1 as vf
+
+FACTS = {"oak": "a tree with acorns", "tin": "element fifty"}
+
+
+class FactsToolset(vf.Toolset[vf.ToolsetConfig]):
+    TOOL_PREFIX = "facts"
+
+    @vf.tool
+    def lookup(self, key: str) -> str:
+        """What a word means."""
+        return FACTS.get(key, "no entry")
+
+    @vf.tool
+    def crash(self) -> str:
+        """Ends the server's process."""
+        os._exit(3)
+
+    @vf.tool
+    def wait(self, seconds: float) -> str:
+        """Answers after `seconds`."""
+        time.sleep(seconds)
+        return "waited"
+
+
+if __name__ == "__main__":
+    FactsToolset.run()
