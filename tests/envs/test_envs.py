@@ -14,7 +14,6 @@ from trace_rl.data.trace import Trace
 from trace_rl.envs import EnvError, Environment, Sampler, load_env, resolve_env_class
 from trace_rl.envs.alphabet_sort import answer_lines
 from trace_rl.envs.similarity import similarity
-from trace_rl.models.tool_calls import parse_tool_calls
 from trace_rl.models.render import Renderer
 from trace_rl.models.tiny import build_tokenizer
 
@@ -163,40 +162,6 @@ def test_link_nav_reward_is_progress_toward_target(tokenizer):
     runtime = ScriptedRuntime(tokenizer, [reply, "stop"])
     [trace] = asyncio.run(env.rollout(example, Sampler(runtime, SAMPLING, seed=0)))
     assert trace.reward == pytest.approx((to_target[start] - to_target[step]) / to_target[start])
-
-
-def test_parse_tool_calls():
-    parsed = parse_tool_calls('ok <tool_call>click_link {"page": "oak"}</tool_call><tool_call>go_back</tool_call>', "c")
-    assert parsed.errors == [] and parsed.message.content == "ok "
-    assert [(c.id, c.name, c.arguments) for c in parsed.message.tool_calls] == [
-        ("c-0", "click_link", {"page": "oak"}), ("c-1", "go_back", {})]
-    for text, error in [
-        ("<tool_call>click_link [1]</tool_call>", "must be a JSON object"),
-        ("<tool_call>{}</tool_call>", 'needs a "name" string'),
-        ("<tool_call>1 {}</tool_call>", "expected {\"name\": ..., \"arguments\": {...}} or 'name {json}'"),
-        ("<tool_call>go_back {}", "unclosed"),
-        ("<tool_call>go_back {}</tool_call> and more", "text after the last"),
-    ]:
-        parsed = parse_tool_calls(text, "c")
-        assert error in parsed.errors[0].error and parsed.message.content == text and not parsed.message.tool_calls
-
-
-def test_parse_hermes_tool_calls_as_qwen_emits_them():
-    text = ('Let me look.\n<tool_call>\n{"name": "click_link", "arguments": {"page": "oak"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "go_back", "arguments": "{}"}\n</tool_call>')
-    parsed = parse_tool_calls(text, "c")
-    assert parsed.errors == [] and parsed.message.content == "Let me look.\n"
-    assert [(c.id, c.name, c.arguments) for c in parsed.message.tool_calls] == [
-        ("c-0", "click_link", {"page": "oak"}), ("c-1", "go_back", {})]
-    for text, error in [
-        ('<tool_call>\n{"name": "click_link", "arguments": {"page": }\n</tool_call>', "not valid JSON"),
-        ('<tool_call>\n{"arguments": {}}\n</tool_call>', 'needs a "name" string'),
-        ('<tool_call>\n{"name": "go_back", "arguments": [1]}\n</tool_call>', "must be a JSON object"),
-        ('<tool_call>\n{"name": "go_back", "arguments": "{oops"}\n</tool_call>', "arguments of go_back are not"),
-        ('<tool_call>\n{"name": "go_back"}\n</tool_call><tool_call>\n{"name": ', "unclosed"),
-    ]:
-        parsed = parse_tool_calls(text, "c")
-        assert error in parsed.errors[0].error and parsed.message.content == text and not parsed.message.tool_calls
 
 
 def test_registry_and_args_errors():

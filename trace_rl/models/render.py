@@ -19,8 +19,9 @@ Attribution (per character of the rendered text, then per token by its first cha
     everything up to its end-of-turn (tool calls included);
   - text owned by no message (a tools preamble, the generation prompt) gets -1.
 
-Tool schemas are rendered by the template when it takes `tools`, else into the system turn
-(`trace_rl.models.tool_schemas`).
+Tool schemas are rendered by the template when it takes `tools`; a renderer made with
+`describe_ignored_tools` (verifiers envs' turns) renders those a template ignores into the system
+turn (`trace_rl.models.tool_schemas`).
 """
 
 from __future__ import annotations
@@ -96,20 +97,24 @@ class Rendered:
 class Renderer:
     """Renders messages with a tokenizer's chat template into attributed token ids."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, end_of_turn: str | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, end_of_turn: str | None = None,
+                 *, describe_ignored_tools: bool = False):
+        """`describe_ignored_tools`: when the template ignores `tools`, render them into the system turn
+        (`tool_schemas.tools_block`); else they are left to the conversation's own text (trace-rl's envs
+        describe their tools in their prompts)."""
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.end_of_turn)
-        self.template_takes_tools = self.tools is None or tool_schemas.probe(tokenizer)[0]
+        self.tools_in_system_turn = bool(self.tools) and describe_ignored_tools and not tool_schemas.probe(tokenizer)[0]
 
     def text(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
         """The template's rendering; tools it ignores are in the system turn (`tool_schemas.tools_block`)."""
         chat = [template_message(m) for m in messages]
-        if not self.template_takes_tools:
+        if self.tools_in_system_turn:
             chat = tool_schemas.with_tools_in_system_turn(chat, self.tools)
         return self.tokenizer.apply_chat_template(
-            chat, tools=self.tools if self.template_takes_tools else None,
+            chat, tools=None if self.tools_in_system_turn else self.tools,
             tokenize=False, add_generation_prompt=add_generation_prompt,
         )
 

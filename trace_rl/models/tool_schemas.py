@@ -56,7 +56,7 @@ def probe(tokenizer: Any) -> tuple[bool, bool]:
                    != render(user, tools=None, tokenize=False))
     conversation = [*user, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}]
     try:
-        text = render(conversation, tools=[PROBE_TOOL], tokenize=False)
+        text = render(conversation, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses tool calls (raise_exception) writes none we read
         text = ""
     calls = parse_tool_calls(text[text.find("<tool_call>"):text.rfind("</tool_call>") + len("</tool_call>")],

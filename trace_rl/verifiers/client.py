@@ -136,7 +136,8 @@ class SamplerClient:
             raise RuntimeError(f"no trace-rl sampler {self.key!r} is registered (its rollout ended)") from None
 
     def renderer(self, tools: list[dict] | None) -> Renderer:
-        return Renderer(self.sampler.tokenizer, tools, end_of_turn=self.sampler.end_of_turn)
+        return Renderer(self.sampler.tokenizer, tools, end_of_turn=self.sampler.end_of_turn,
+                        describe_ignored_tools=True)
 
     async def get_response(self, dialect, body: dict, sampling, session_id: str | None = None, turn=None,
                            headers: Mapping[str, str] | None = None):
