@@ -156,3 +156,22 @@ def test_a_multi_turn_episode_on_a_vllm_server_matches_recomputed_logprobs(vllm_
     assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant"]
     expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
     assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
+
+
+def test_verifiers_own_harnesses_find_uv_beside_python_or_are_refused_with_the_fix(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from trace_rl.envs.verifiers import runtime_lack
+
+    bin_dir = tmp_path / "venv-bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    assert runtime_lack("subprocess", own_harness=True) is None  # trace-rl-chat needs nothing
+    assert "`pip install uv` into this Python's environment, as `make setup` does" in runtime_lack("subprocess", False)
+    uv = bin_dir / "uv"
+    uv.write_text("#!/bin/sh\n")
+    uv.chmod(0o755)
+    assert runtime_lack("subprocess", False) is None
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(bin_dir)  # verifiers' subprocesses find it there
