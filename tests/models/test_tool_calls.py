@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.realistic import chat_template
+from trace_rl.models.realistic import chat_template
 from trace_rl.data.trace import Message
 from trace_rl.models import tool_schemas
 from trace_rl.models.render import Renderer

@@ -30,6 +30,7 @@ import numpy as np
 from trace_rl.data.trace import Message, ToolCall
 from trace_rl.models.render import Rendered, Renderer
 from trace_rl.models.tool_calls import parse_tool_calls
+from trace_rl.verifiers.convert import call_arguments
 from trace_rl.models.runtime import Generation
 
 SAMPLER_HEADER = "X-Trace-RL-Sampler"
@@ -88,7 +89,8 @@ def to_message(message: Any) -> Message:
 
     calls = None
     if getattr(message, "tool_calls", None):
-        calls = [ToolCall(id=c.id, name=c.name, arguments=json.loads(c.arguments or "{}")) for c in message.tool_calls]
+        calls = [ToolCall(id=c.id, name=c.name, arguments=call_arguments(c.arguments or "{}"))
+                 for c in message.tool_calls]
     return Message(role=message.role, content=content_text(message.content) if message.content else "",
                    tool_call_id=getattr(message, "tool_call_id", None), name=getattr(message, "name", None),
                    tool_calls=calls)

@@ -140,12 +140,12 @@ def _message(message: Any) -> Message:
     if message.role == "tool":
         fields.update(name=message.name, tool_call_id=message.tool_call_id or None)
     if message.role == "assistant" and message.tool_calls:
-        fields["tool_calls"] = [ToolCall(id=call.id, name=call.name, arguments=_arguments(call.arguments))
+        fields["tool_calls"] = [ToolCall(id=call.id, name=call.name, arguments=call_arguments(call.arguments))
                                 for call in message.tool_calls]
     return Message(**fields)
 
 
-def _arguments(raw: str) -> dict[str, Any]:
+def call_arguments(raw: str) -> dict[str, Any]:
     """A tool call's arguments as trace-rl keeps them (a JSON object); other input under `input`."""
     try:
         value = json.loads(raw)
