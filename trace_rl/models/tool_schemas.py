@@ -52,8 +52,10 @@ def probe(tokenizer: Any) -> tuple[bool, bool]:
         return _probed[template]
     user = [{"role": "user", "content": "probe"}]
     render = tokenizer.apply_chat_template
-    takes_tools = (render(user, tools=[PROBE_TOOL], tokenize=False)
-                   != render(user, tools=None, tokenize=False))
+    try:
+        takes_tools = render(user, tools=[PROBE_TOOL], tokenize=False) != render(user, tools=None, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses tools (raise_exception) shows none
+        takes_tools = False
     conversation = [*user, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}]
     try:
         text = render(conversation, tokenize=False)
