@@ -38,6 +38,15 @@ class ScoredScriptedRuntime(ScriptedRuntime):
         return Generation(token_ids=reply.token_ids, logprobs=logprobs.tolist(), finish_reason="stop")
 
 
+@pytest.fixture(scope="module")
+def facts_env():
+    """The facts_tools env on trace-rl's chat harness, with a tool_timeout of 8 s; loaded once for the module."""
+    from trace_rl.envs.lookup import load_env
+
+    agent = {"harness": {"id": "trace-rl-chat", "tool_timeout": 8}, "runtime": {"type": "subprocess"}}
+    return load_env("verifiers", {"taskset": {"id": "facts_tools"}, "agent": agent}, [TASKSETS])
+
+
 def play(env, runtime, task: int):
     from trace_rl.config import SamplingConfig
     from trace_rl.envs.base import Example, Sampler
@@ -46,14 +55,10 @@ def play(env, runtime, task: int):
     return asyncio.run(env.rollout(Example(id=f"task{task}", data={"task": task}), sampler))
 
 
-def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(tiny_model_path, caplog):
+def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(facts_env, tiny_model_path, caplog):
     from transformers import AutoTokenizer
 
-    from trace_rl.envs.lookup import load_env
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    agent = {"harness": {"id": "trace-rl-chat", "tool_timeout": 8}, "runtime": {"type": "subprocess"}}
-    env = load_env("verifiers", {"taskset": {"id": "facts_tools"}, "agent": agent}, [TASKSETS])
     replies = [
         'Looking.<tool_call>{"name": "facts_lookup", "arguments": {"key": "oak"}}</tool_call>',
         '<tool_call>{"name": "facts_nope", "arguments": {}}</tool_call>',
@@ -64,7 +69,7 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(tiny_model_path,
     ]
     runtime = ScoredScriptedRuntime(tiny_model_path, tokenizer, replies)
     with caplog.at_level("WARNING", logger="trace_rl.models.tool_schemas"):
-        (trace,) = play(env, runtime, task=0)
+        (trace,) = play(facts_env, runtime, task=0)
     assert trace.error is None and trace.reward == 1.0  # the last reply holds the fact
     assert [m.role for m in trace.messages] == ["user", *["assistant", "tool"] * 5, "assistant"]
     calls = [m.tool_calls for m in trace.messages if m.role == "assistant"]
@@ -92,3 +97,21 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(tiny_model_path,
     expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
     assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
     assert int(branch.sampled.sum()) == sum(len(tokenizer.encode(r, add_special_tokens=False)) + 1 for r in replies)
+
+
+def test_a_tool_result_longer_than_the_context_is_a_failed_rollout_with_the_samplers_error(facts_env,
+                                                                                             tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Example, Sampler
+    from trace_rl.pipeline.rollouts import run_rollout
+
+    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path),
+                              ['<tool_call>{"name": "facts_lookup", "arguments": {"key": "everything"}}</tool_call>'])
+    runtime.config = RuntimeConfig(key="policy", name="scripted", max_model_len=2048)
+    sampler = Sampler(runtime, SamplingConfig(max_completion_tokens=64), seed=0)
+    example = Example(id="task1", data={"task": 1})
+    (trace,), _ = asyncio.run(run_rollout(facts_env, example, sampler, max_retries=0, backoff_s=0))
+    assert trace.error.startswith("EnvError: verifiers episode of task task1 failed: HarnessError")
+    assert "leaves no room under max_model_len 2048" in trace.error and not trace.branches

@@ -6,6 +6,7 @@ import os
 import verifiers.v1 as vf
 
 FACTS = {"oak": "a tree with acorns", "tin": "element fifty"}
+EVERYTHING = "everything " * 300  # what `lookup("everything")` answers: longer than the tests' context
 
 
 class FactsToolset(vf.Toolset[vf.ToolsetConfig]):
@@ -14,7 +15,7 @@ class FactsToolset(vf.Toolset[vf.ToolsetConfig]):
     @vf.tool
     def lookup(self, key: str) -> str:
         """What a word means."""
-        return FACTS.get(key, "no entry")
+        return FACTS.get(key) or (EVERYTHING if key == "everything" else "no entry")
 
     @vf.tool
     def crash(self) -> str:
