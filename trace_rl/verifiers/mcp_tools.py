@@ -6,9 +6,9 @@ rollout (`Task.toolsets`) and the taskset's shared ones. Each server's tools are
 opens a fresh client, so a server that crashed is asked again on the next call.
 
 Whatever goes wrong with one call becomes the tool message the model reads next, never an exception: a tool that
-does not exist, arguments that are not a JSON object, a server that fails or does not answer within the harness's
-`tool_timeout`. A server that cannot list its tools when the rollout starts fails the episode (verifiers records
-the error).
+does not exist, arguments that are not a JSON object, a server that fails, does not answer within the harness's
+`tool_timeout` or no longer accepts connections (it crashed). A server that cannot list its tools when the rollout
+starts fails the episode (verifiers records the error).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 
 @contextlib.asynccontextmanager
@@ -28,6 +29,20 @@ async def mcp_client(url: str, timeout: float):
     async with create_mcp_http_client(timeout=httpx2.Timeout(timeout, connect=5.0)) as http_client:
         async with Client(streamable_http_client(url, http_client=http_client)) as client:
             yield client
+
+
+async def listening(url: str, timeout: float = 5.0) -> bool:
+    """Whether something accepts TCP connections at the URL's host and port. The MCP client does not fail on a
+    refused connection (it waits out its timeout), so a server that crashed is found out this way."""
+    parts = urlsplit(url)
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(parts.hostname, parts.port or (443 if parts.scheme == "https"
+                                                                                     else 80))
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def result_text(blocks: list[Any]) -> str:
@@ -50,6 +65,8 @@ class ToolServers:
         """The servers' tools, listed once."""
         self = cls(urls, timeout)
         for server, url in urls.items():
+            if not await listening(url):
+                raise ConnectionError(f"MCP tool server {server!r} at {url} does not accept connections")
             async with mcp_client(url, self.timeout) as client:
                 listed = await client.list_tools()
             for tool in listed.tools:
@@ -72,6 +89,8 @@ class ToolServers:
         if not isinstance(parsed, dict):
             return f"error: the arguments of {name} must be a JSON object, not {type(parsed).__name__}"
         url, tool = self.routes[name]
+        if not await listening(url):
+            return f"error: tool {name} failed: its server does not accept connections"
         try:
             async with asyncio.timeout(self.timeout), mcp_client(url, self.timeout) as client:
                 result = await client.call_tool(tool, parsed)
