@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from trace_rl.models.realistic import chat_template
 from trace_rl.data.trace import Message
 from trace_rl.models import tool_schemas
+from trace_rl.models.realistic import chat_template
 from trace_rl.models.render import Renderer
 from trace_rl.models.tiny import build_tokenizer
 from trace_rl.models.tool_calls import parse_tool_calls

@@ -67,9 +67,9 @@ def probe(tokenizer: Any) -> tuple[bool, bool]:
     name = getattr(tokenizer, "name_or_path", "") or "the model"
     if not takes_tools:
         logger.warning("the chat template of %s ignores `tools`: trace-rl renders the tool schemas into the system "
-                    "turn in its default format (docs/envs.md#tools)", name)
+                       "turn in its default format (docs/envs.md#tools)", name)
     if not parses_calls:
         logger.warning("the chat template of %s writes tool calls in a format trace-rl does not parse: sampled calls "
-                    "are read as <tool_call> blocks only (docs/envs.md#tools)", name)
+                       "are read as <tool_call> blocks only (docs/envs.md#tools)", name)
     _probed[template] = (takes_tools, parses_calls)
     return _probed[template]

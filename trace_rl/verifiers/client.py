@@ -29,9 +29,9 @@ import numpy as np
 
 from trace_rl.data.trace import Message, ToolCall
 from trace_rl.models.render import Rendered, Renderer
+from trace_rl.models.runtime import Generation
 from trace_rl.models.tool_calls import parse_tool_calls
 from trace_rl.verifiers.convert import call_arguments
-from trace_rl.models.runtime import Generation
 
 SAMPLER_HEADER = "X-Trace-RL-Sampler"
 SAMPLER_URL = "http://trace-rl.sampler.invalid/v1"  # never called: the sampler samples in this process

@@ -26,9 +26,9 @@ async def mcp_client(url: str, timeout: float):
     from mcp import Client
     from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 
-    async with create_mcp_http_client(timeout=httpx2.Timeout(timeout, connect=5.0)) as http_client:
-        async with Client(streamable_http_client(url, http_client=http_client)) as client:
-            yield client
+    async with create_mcp_http_client(timeout=httpx2.Timeout(timeout, connect=5.0)) as http_client, \
+            Client(streamable_http_client(url, http_client=http_client)) as client:
+        yield client
 
 
 async def listening(url: str, timeout: float = 5.0) -> bool:
