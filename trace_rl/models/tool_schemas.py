@@ -69,7 +69,7 @@ def probe(tokenizer: Any) -> tuple[bool, bool]:
         logger.warning("the chat template of %s ignores `tools`: trace-rl renders the tool schemas into the system "
                        "turn in its default format (docs/envs.md#tools)", name)
     if not parses_calls:
-        logger.warning("the chat template of %s writes tool calls in a format trace-rl does not parse: sampled calls "
-                       "are read as <tool_call> blocks only (docs/envs.md#tools)", name)
+        logger.warning("the chat template of %s does not write tool calls as <tool_call> blocks: sampled calls are "
+                       "read as <tool_call> blocks (Hermes or compact) only (docs/envs.md#tools)", name)
     _probed[template] = (takes_tools, parses_calls)
     return _probed[template]
