@@ -36,7 +36,7 @@ def check_run(config: Config, mode: Mode) -> RunStorage:
         )
     if mode == "overwrite":
         check_wipe(storage, "--overwrite")
-    if mode == "resume" and run_exists(storage):
+    if mode == "resume" and storage.exists(storage.path("config.toml")):  # a run started by some trace-rl
         check_run_version(storage, "--resume")
     return storage
 
