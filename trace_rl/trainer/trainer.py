@@ -43,6 +43,7 @@ from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
 from trace_rl.models.dtype import resolved_dtype
+from trace_rl.models.float32_head import compute_dtype, float32_logits
 from trace_rl.trainer.attention import PACKED_ATTENTIONS, choose_attention
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,10 @@ def logits_to_logprobs(
 def head_logprobs(
     hf_model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits_to_logprobs` of the output layer (lm_head, then the final soft-cap of models that have one)."""
-    logits = hf_model.get_output_embeddings()(hidden)
+    """`logits_to_logprobs` of the output layer (lm_head in float32 from inputs in the compute dtype,
+    `float32_logits`; then the final soft-cap of models that have one)."""
+    head = hf_model.get_output_embeddings()
+    logits = float32_logits(head, hidden, compute_dtype(hidden.device, head.weight.dtype))
     cap = getattr(hf_model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
