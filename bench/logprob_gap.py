@@ -13,7 +13,7 @@ them as one packed micro-batch (`token_logprobs`). Reported over the sampled tok
 - bfloat16, float32 head: float32 logits from bfloat16 inputs on both sides
   (`trace_rl.models.float32_head`; vLLM's `head_dtype = float32`).
 
-    python -m bench.logprob_gap --model tiny --samples 16 --tokens 32
+    python -m bench.logprob_gap --model smollm2-135m --samples 8 --tokens 24   # make bench's run
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from trace_rl.inference.hf_decode import Request, decode_batch
 from trace_rl.models.float32_head import use_float32_head
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.trainer import trainer as trainer_module
-from trace_rl.trainer.packing import collate
+from trace_rl.trainer.packing import MicroBatch, collate
 from trace_rl.trainer.varlen import PACKED_ATTENTION
 
 SETTINGS = {"float32": ("float32", True), "bfloat16, bfloat16 head": ("bfloat16", False),
@@ -52,10 +52,8 @@ def sample(path: str, dtype: torch.dtype, float32_head: bool, prompts: list[list
     return decode_batch(model, requests, stop_ids=[-1], pad_id=0)
 
 
-def score(path: str, dtype: torch.dtype, float32_head: bool, prompts, generations) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
+def sampled_batch(prompts: list[list[int]], generations) -> MicroBatch:
+    """One micro-batch of the completions, rl on each sampled token, its recorded logprob as `inference_logprobs`."""
     samples = []
     for i, (prompt, generation) in enumerate(zip(prompts, generations)):
         ids = np.array(prompt + generation.token_ids, dtype=np.int32)
@@ -66,7 +64,14 @@ def score(path: str, dtype: torch.dtype, float32_head: bool, prompts, generation
         samples.append(TrainingSample(
             trace_id=str(i), branch_index=0, env="bench", input_ids=ids, temperature=1.0, sampled=sampled,
             inference_logprobs=recorded, rl_values=zero, rl_mask=sampled, ce_values=zero, ce_mask=np.zeros_like(sampled)))
-    batch = collate(samples, share=True, loss_positions_only=True)
+    return collate(samples, share=True, loss_positions_only=True)
+
+
+def score(path: str, dtype: torch.dtype, float32_head: bool, prompts, generations) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
+    batch = sampled_batch(prompts, generations)
     head = contextlib.nullcontext() if float32_head else mock.patch.object(
         trainer_module, "float32_logits", half_precision_head)
     with torch.no_grad(), head, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -74,7 +79,7 @@ def score(path: str, dtype: torch.dtype, float32_head: bool, prompts, generation
     return (lp.numpy() - batch.inference_logprobs)[batch.rl_mask]
 
 
-def run(model: str, samples: int, tokens: int, prompt_tokens: int = 16, seed: int = 0) -> dict:
+def run(model: str = "smollm2-135m", samples: int = 8, tokens: int = 24, prompt_tokens: int = 16, seed: int = 0) -> dict:
     path = resolve_model_path(model)
     vocab = __import__("transformers").AutoConfig.from_pretrained(path).vocab_size
     rng = np.random.default_rng(seed)
@@ -92,9 +97,9 @@ def run(model: str, samples: int, tokens: int, prompt_tokens: int = 16, seed: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=24)
     args = parser.parse_args()
     torch.manual_seed(0)
     result = run(args.model, args.samples, args.tokens)

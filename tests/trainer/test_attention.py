@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.test_prefix_tree import branches, sample_of, shared_batch
+from tests.trainer.test_prefix_tree import branch_of_branch_tree, shared_batch
 from trace_rl.config import Config
 from trace_rl.trainer.attention import choose_attention
 from trace_rl.trainer.packing import collate
@@ -19,19 +19,6 @@ from trace_rl.trainer.varlen import PACKED_ATTENTION, packed_sdpa_attention
 
 # on CPU FlexAttention runs its unfused reference (the compiled kernel is CUDA's): what these tests compare
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-def branch_of_branch_tree():
-    """Two branches of a 20-token history and a third continuing the first after its 24th token: its context ends
-    inside the first branch's segment."""
-    rng = np.random.default_rng(2)
-    samples = [*branches(rng, "b", history_len=20)]
-    samples.append(sample_of(rng, "c", np.concatenate([samples[0].input_ids[:24], [7, 7, 7]]), 1.0,
-                             np.ones(27, bool), np.ones(27, bool)))
-    tree = build_tree([s.input_ids for s in samples], share=True)
-    starts = {start for start, _, _ in tree.layout.segments} | {len(tree.row_ids)}
-    assert any(b not in starts for _, _, context in tree.layout.segments for _, b in context)
-    return tree
 
 
 def test_the_path_tables_hold_each_sample_path():
