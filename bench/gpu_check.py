@@ -215,7 +215,7 @@ def timed_run(config: Config, samples, steps: int, cuda: bool) -> dict:
     for step in range(steps + 1):  # the first: compilation, allocations, optimizer state
         synchronize(trainer.device)
         started = time.perf_counter()
-        metrics = trainer.train_step(step, samples)
+        metrics = trainer.optimizer_step(step, samples)
         synchronize(trainer.device)
         if step:
             seconds.append(time.perf_counter() - started)
