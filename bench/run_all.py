@@ -37,6 +37,7 @@ BENCHMARKS = {  # name: (module, timeout seconds)
     "overlap": ("bench.overlap", 2400),
     "lora": ("bench.lora", 600),
     "long-prefix": ("bench.long_prefix", 3600),
+    "logprob-gap": ("bench.logprob_gap", 3600),
 }
 HERE = Path(__file__).parent
 
@@ -370,13 +371,21 @@ def render_long_prefix(r: dict) -> list[str]:
          "micro-batches", "float32 matmul GFLOP/s", "step / floor"], rows)
 
 
+def render_logprob_gap(r: dict) -> list[str]:
+    rows = [[name, row["tokens"], f"{row['mean_abs']:.2e}", f"{row['max_abs']:.2e}", row["seconds"]]
+            for name, row in r["rows"].items()]
+    return [f"{r['model']} (vocabulary {r['vocab']:,}), {r['samples']} samples x {r['completion_tokens']} sampled "
+            "tokens at temperature 1, the hf sampler against the trainer (same weights), CPU.", ""] + table(
+        ["setting", "sampled tokens", "mean abs Δlogprob", "max abs Δlogprob", "seconds"], rows)
+
+
 def render_generic(r: dict) -> list[str]:
     return table(["key", "value"], flat(r))
 
 
 RENDERERS = {"algorithms": render_algorithms, "trainer": render_trainer, "memory": render_memory, "io": render_io,
              "step": render_step, "trl": render_trl, "trl-real": render_trl_real, "overlap": render_overlap,
-             "lora": render_lora, "long-prefix": render_long_prefix}
+             "lora": render_lora, "long-prefix": render_long_prefix, "logprob-gap": render_logprob_gap}
 
 
 def targets(results: dict) -> list[list]:

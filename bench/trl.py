@@ -45,6 +45,7 @@ import threading
 import time
 
 from bench.step import REFERENCE, reference_config
+from trace_rl.models.dtype import choose_dtype, cpu_flags
 
 STEPS = 5
 SIDES = ("trace-rl-hf", "trl-hf", "trace-rl-vllm", "trl-vllm")
@@ -52,11 +53,9 @@ SIDE_TIMEOUT_S = 900
 
 
 def fast_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 matmuls in hardware (AVX512-BF16 or AMX). Without, PyTorch's bfloat16
-    matmul is a slow fallback (0.4 GFLOP/s against 24-36 float32 on an AVX2-only 2-core EPYC)."""
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU computes bfloat16 matmuls in hardware (`model.dtype = "auto"`'s choice on CPU). Without,
+    PyTorch's bfloat16 matmul is a slow fallback (0.4 GFLOP/s against 24-36 float32 on an AVX2-only 2-core EPYC)."""
+    return choose_dtype(False, cpu_flags())[0] == "bfloat16"
 
 
 # bench/trl_real.py's workload: the real pretrained model; both sides keep float32 weights and compute under

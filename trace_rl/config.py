@@ -89,9 +89,10 @@ class ModelConfig(Strict):
     revision: str | None = Field(
         None, description="for an HF id: branch, tag or commit hash of the snapshot every process loads "
         "(default 'main'; a commit hash pins it); ignored for 'tiny' and local directories")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="the sampler's weights and the trainer's compute (autocast) and export dtype; "
-        "the trainer's master weights stay float32 (bfloat16 on GPUs)")
+        "the trainer's master weights stay float32. auto: bfloat16 when the trainer runs on CUDA or on a CPU with "
+        "AMX or AVX512-BF16, float32 elsewhere (docs/trainer.md)")
     stop_tokens: list[str] | None = Field(
         None, min_length=1, description="tokens that end a model turn, the first being the chat template's "
         "end-of-turn token (default: the tokenizer's eos token), e.g. ['<|im_end|>', '<|endoftext|>']")
@@ -351,6 +352,10 @@ class TrainerConfig(Strict):
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="with num_processes > 1 (or cpu_offload): DDP or FSDP2 (fully_shard)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    attention: Literal["auto", "packed_sdpa", "packed_flex"] = Field(
+        "auto", description="attention over a packed micro-batch: packed_sdpa (one SDPA per segment), packed_flex "
+        "(one FlexAttention call per layer, CUDA only); auto: packed_flex on CUDA, else packed_sdpa "
+        "(docs/trainer.md)")
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder block's activations in backward instead of keeping them "
         "(less memory, ~1/3 more compute); single process, DDP and FSDP")
@@ -375,6 +380,13 @@ class TrainerConfig(Strict):
             if not host or not port.isdigit():
                 raise ValueError(f"trainer.nnodes = {self.nnodes} needs trainer.rdzv_endpoint = 'host:port' (node "
                                  f"0's address and a free port every node reaches), got {self.rdzv_endpoint!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _flex_needs_cuda(self) -> TrainerConfig:
+        if self.attention == "packed_flex" and self.device == "cpu":
+            raise ValueError("trainer.attention = 'packed_flex' needs CUDA (torch has no FlexAttention backward on "
+                             "CPU) but trainer.device = 'cpu'; set trainer.attention = 'auto' or 'packed_sdpa'")
         return self
 
     @model_validator(mode="after")

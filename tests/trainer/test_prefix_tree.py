@@ -121,9 +121,9 @@ def test_branches_of_branches_attend_to_each_ancestor():
     assert max(sum(b - a for a, b in c) for c in contexts) == 24
 
 
-def test_packed_attention_equals_each_sample_attending_alone_with_gradients():
-    """The row's attention at each sample's path is causal attention over that sample alone, outputs and q/k/v
-    gradients, also where a context ends inside an earlier segment (the row is cut there)."""
+def branch_of_branch_tree():
+    """Two branches of a 20-token history and a third continuing the first after its 24th token: its context ends
+    inside the first branch's segment (the row is cut there)."""
     rng = np.random.default_rng(2)
     samples = [*branches(rng, "b", history_len=20)]
     samples.append(sample_of(rng, "c", np.concatenate([samples[0].input_ids[:24], [7, 7, 7]]), 1.0,
@@ -131,6 +131,13 @@ def test_packed_attention_equals_each_sample_attending_alone_with_gradients():
     tree = build_tree([s.input_ids for s in samples], share=True)
     starts = {start for start, _, _ in tree.layout.segments} | {len(tree.row_ids)}
     assert any(b not in starts for _, _, context in tree.layout.segments for _, b in context)
+    return tree
+
+
+def test_packed_attention_equals_each_sample_attending_alone_with_gradients():
+    """The row's attention at each sample's path is causal attention over that sample alone, outputs and q/k/v
+    gradients, also where a context ends inside an earlier segment (the row is cut there)."""
+    tree = branch_of_branch_tree()
     torch.manual_seed(0)
     length = len(tree.row_ids)
     q, k, v = (torch.randn(1, heads, length, 16, requires_grad=True) for heads in (4, 2, 2))

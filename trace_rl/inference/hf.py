@@ -23,6 +23,7 @@ import torch
 from trace_rl.inference.batcher import RequestBatcher
 from trace_rl.inference.hf_decode import Request, decode_batch
 from trace_rl.inference.weights import check_weights, safetensors_files
+from trace_rl.models.float32_head import use_float32_head
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.models.lora import ADAPTER_WEIGHTS, check_adapter, is_adapter_dir
 from trace_rl.models.runtime import Generation, RuntimeConfig, load_tokenizer, stop_token_ids
@@ -57,6 +58,7 @@ class HFRuntime:
             self.model = self.peft.get_base_model()
         self.model.to(self.device)
         self.model.eval()
+        use_float32_head(self.model)  # the trainer's logits: float32 from the half-precision hidden states
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
         self._lock = threading.Lock()  # weights change only between batches and scores
         self._batcher = RequestBatcher(self._decode, name=f"hf-sampler-{config.key}")

@@ -96,6 +96,8 @@ def engine_arguments(config: RuntimeConfig, is_cpu: bool) -> dict[str, Any]:
         "worker_extension_cls": EXTENSION,
         "generation_config": "vllm",  # the model's generation_config.json must not change what is sampled
     }
+    if config.dtype != "float32":  # float32 logits from the half-precision hidden states, as the trainer's
+        arguments["hf_overrides"] = {"head_dtype": "float32"}
     if config.max_num_batched_tokens is not None:
         arguments["max_num_batched_tokens"] = config.max_num_batched_tokens
     if config.lora is not None:

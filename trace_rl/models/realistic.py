@@ -64,7 +64,7 @@ ARCHITECTURE = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
 }
-# Qwen2.5-0.5B's shape (494M parameters), for benchmarks at full size (bench/gpu.py); tests use ARCHITECTURE
+# Qwen2.5-0.5B's shape (494M parameters), for the GPU check (bench/gpu_check.py); tests use ARCHITECTURE
 QWEN25_05B = {**ARCHITECTURE, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
               "num_attention_heads": 14, "num_key_value_heads": 2}
 BPE_VOCAB = 4000

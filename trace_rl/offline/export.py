@@ -87,9 +87,11 @@ def missing_step(url: str, step: int, available: list[int]) -> str:
 
 
 def write_merged(config, adapter_dir: str, out_dir: str) -> None:
-    """The run's base model with the adapter in `adapter_dir` merged in, saved in `model.dtype` with its tokenizer."""
+    """The run's base model with the adapter in `adapter_dir` merged in, saved in `model.dtype` (the adapter's
+    dtype: `auto` resolved where the run trained) with its tokenizer."""
     import torch
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from trace_rl.models.hub import resolve_model_path
@@ -97,7 +99,7 @@ def write_merged(config, adapter_dir: str, out_dir: str) -> None:
     from trace_rl.trainer.trainer import set_config_dtype
 
     base_path = resolve_model_path(config.model.name, config.model.revision)
-    dtype = getattr(torch, config.model.dtype)
+    dtype = next(iter(load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS)).values())).dtype
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)  # merge in float32, then cast
     model = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)

@@ -21,6 +21,7 @@ import os
 import sys
 
 from trace_rl.config import Config
+from trace_rl.models.dtype import resolved_dtype
 from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.names import POLICY
 
@@ -128,7 +129,8 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
     so a tiny reference differs from the tiny policy; the policy's name is kept verbatim,
     exactly as the trainer resolves it. Each in-process vLLM engine gets its share of
     `inference.gpu_memory_utilization`, and sleep mode when colocated with the trainer
-    (`trace_rl.pipeline.colocation`; `cuda_available` None: ask torch).
+    (`trace_rl.pipeline.colocation`; `cuda_available` None: ask torch). A `dtype = "auto"` becomes the dtype the
+    trainer computes in on this machine (`trace_rl.models.dtype`), so sampler and trainer agree.
     """
 
     inference = config.inference
@@ -136,6 +138,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
         cuda_available = cuda_on_this_machine()
     shares = memory_shares(config)
     sleep_mode = colocated(config, cuda_available)
+    trainer_cuda = cuda_available and config.trainer.device != "cpu"
     engine = {
         "backend": inference.backend,
         "max_model_len": inference.max_model_len,
@@ -154,7 +157,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
             key=POLICY,
             name=config.model.name,
             revision=config.model.revision,
-            dtype=config.model.dtype,
+            dtype=resolved_dtype(config.model.dtype, trainer_cuda),
             base_urls=[inference.base_url] if inference.base_url else [],
             stop_tokens=config.model.stop_tokens,
             lora=config.model.lora,
@@ -166,7 +169,8 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
         name = f"tiny:{seed}" if model.name == "tiny" else model.name
         urls = [model.base_url] if isinstance(model.base_url, str) else list(model.base_url or [])
         configs[key] = RuntimeConfig(
-            key=key, name=name, revision=model.revision, dtype=model.dtype, tokens=model.tokens, base_urls=urls,
+            key=key, name=name, revision=model.revision, dtype=resolved_dtype(model.dtype, trainer_cuda),
+            tokens=model.tokens, base_urls=urls,
             stop_tokens=model.stop_tokens, base_of=POLICY if is_policy_base(config, model, name) else None,
             **{**engine, "seed": seed, "gpu_memory_utilization": shares.get(key, inference.gpu_memory_utilization)}
         )

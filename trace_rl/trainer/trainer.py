@@ -13,6 +13,7 @@ import contextlib
 import copy
 import inspect
 import json
+import logging
 import math
 import os
 import tempfile
@@ -41,8 +42,11 @@ from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
-from trace_rl.trainer.varlen import PACKED_ATTENTION
+from trace_rl.models.dtype import resolved_dtype
+from trace_rl.models.float32_head import compute_dtype, float32_logits
+from trace_rl.trainer.attention import PACKED_ATTENTIONS, choose_attention
 
+logger = logging.getLogger(__name__)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -99,8 +103,10 @@ def logits_to_logprobs(
 def head_logprobs(
     hf_model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits_to_logprobs` of the output layer (lm_head, then the final soft-cap of models that have one)."""
-    logits = hf_model.get_output_embeddings()(hidden)
+    """`logits_to_logprobs` of the output layer (lm_head in float32 from inputs in the compute dtype,
+    `float32_logits`; then the final soft-cap of models that have one)."""
+    head = hf_model.get_output_embeddings()
+    logits = float32_logits(head, hidden, compute_dtype(hidden.device, head.weight.dtype))
     cap = getattr(hf_model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -109,19 +115,20 @@ def head_logprobs(
 
 def row_call(batch: MicroBatch, device: torch.device) -> dict:
     """The model-call arguments of one packed row: its tokens, position ids and segments (`row_layout`, read by
-    `PACKED_ATTENTION`), no dense mask."""
+    the packed attentions), no dense mask."""
     return {"input_ids": torch.from_numpy(batch.row_ids).to(device)[None],
             "position_ids": torch.from_numpy(batch.row_positions).to(device)[None], "attention_mask": None,
             "use_cache": False, "row_layout": batch.layout}
 
 
 def check_attention(model: torch.nn.Module, batch: MicroBatch) -> None:
-    """A row with shared prefixes needs `PACKED_ATTENTION`: another attention cannot read the segments' contexts.
-    (A row of whole samples side by side works with any: transformers builds the block mask from the position ids.)"""
+    """A row with shared prefixes needs one of `PACKED_ATTENTIONS`: another attention cannot read the segments'
+    contexts. (A row of whole samples side by side works with any: transformers builds the block mask from the
+    position ids.)"""
     attention = unwrapped(model).config._attn_implementation
-    if batch.layout.shares and attention != PACKED_ATTENTION:
-        raise ValueError(f"a micro-batch with shared prefixes needs the {PACKED_ATTENTION!r} attention; the model "
-                         f"uses {attention!r} (pack with share_prefixes=False for it)")
+    if batch.layout.shares and attention not in PACKED_ATTENTIONS:
+        raise ValueError(f"a micro-batch with shared prefixes needs one of the {PACKED_ATTENTIONS} attentions; the "
+                         f"model uses {attention!r} (pack with share_prefixes=False for it)")
 
 
 def final_hidden_states(model: torch.nn.Module, batch: MicroBatch, device: torch.device) -> torch.Tensor:
@@ -284,8 +291,11 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # float32 master weights whatever model.dtype says: an AdamW update of lr ~1e-5 is below half a
         # bfloat16 ulp of most weights and would round away; model.dtype is the compute and export dtype
-        self.dtype = getattr(torch, config.model.dtype)
-        self.module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
+        self.dtype = getattr(torch, resolved_dtype(config.model.dtype, self.device.type == "cuda"))
+        self.attention, why = choose_attention(config.trainer.attention, self.device.type)
+        if self.rank == 0:
+            logger.info("trainer attention: %s (%s)", self.attention, why)
+        self.module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=self.attention)
         self.peft = None
         if config.model.lora is not None:
             from peft import get_peft_model

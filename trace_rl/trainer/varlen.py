@@ -34,7 +34,13 @@ class RowLayout:
 
     def __init__(self, segments: list[tuple[int, int, tuple[tuple[int, int], ...]]]):
         self.segments = segments
-        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._cache: dict[tuple, object] = {}
+
+    def cached(self, key: tuple, build):
+        """`build()`'s value, made once per layout and `key` (a mask serves every layer of a micro-batch)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def cuts(self, length: int) -> list[int]:
         """The row positions where a segment or a context range starts or ends, with 0 and `length`, in order."""
@@ -52,15 +58,15 @@ class RowLayout:
 
     def mask(self, index: int, device: torch.device) -> torch.Tensor:
         """Segment `index`'s boolean mask (own tokens x (context + own tokens)): all context, causal on its own."""
-        key = (index, device)
-        if key not in self._masks:
+        def build() -> torch.Tensor:
             start, end, context = self.segments[index]
             own = end - start
             seen = sum(b - a for a, b in context)
             mask = torch.ones(own, seen + own, dtype=torch.bool, device=device)
             mask[:, seen:] = torch.ones(own, own, dtype=torch.bool, device=device).tril()
-            self._masks[key] = mask
-        return self._masks[key]
+            return mask
+
+        return self.cached(("mask", index, device), build)
 
 
 def packed_sdpa_attention(

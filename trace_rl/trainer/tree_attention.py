@@ -1,0 +1,92 @@
+"""One FlexAttention call per layer over a packed row: a query sees a key iff the key is on its path.
+
+A packed row (`trace_rl.trainer.varlen.RowLayout`) is a prefix tree: each token's path is its
+segment's context (the row ranges of the prefix it continues) followed by its segment's own
+tokens. Attention over the whole row is then one call with the mask
+
+    sees(q, k) = k in context(segment(q))  or  (segment(k) = segment(q) and k <= q)
+
+which `torch.nn.attention.flex_attention` takes as a block mask: (128 x 128)-blocks that no query
+of a block sees are skipped, the fully visible ones run without the mask. The mask is built once
+per micro-batch from two tables, the segment of each row position and, per segment, which row
+positions are its context, and serves every layer.
+
+Outputs (and, on CUDA, q/k/v gradients) equal `packed_sdpa`'s, which runs one SDPA per segment
+(1,536 kernel launches per forward for 64 segments and 24 layers, where this runs 24). On CUDA the
+kernel is compiled (Triton); on CPU torch 2.13 has no FlexAttention backward, so training there
+keeps `packed_sdpa`, and the forward runs eagerly (the unfused reference, for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers import AttentionInterface
+
+from trace_rl.trainer.varlen import RowLayout
+
+TREE_ATTENTION = "packed_flex"
+
+
+def path_tables(layout: RowLayout, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment of each of the `length` row positions, int64; (segments x length) bool, True where a row position
+    is in the segment's context)."""
+    segment = np.zeros(length, dtype=np.int64)
+    context = np.zeros((len(layout.segments), length), dtype=bool)
+    for index, (start, end, ranges) in enumerate(layout.segments):
+        segment[start:end] = index
+        for a, b in ranges:
+            context[index, a:b] = True
+    return segment, context
+
+
+def tree_block_mask(layout: RowLayout, length: int, device: torch.device) -> BlockMask:
+    """The block mask of `sees` over a row of `length` positions, on `device`."""
+    segment_np, context_np = path_tables(layout, length)
+    segment, context = torch.from_numpy(segment_np).to(device), torch.from_numpy(context_np).to(device)
+
+    def sees(batch, head, q, k):
+        own = segment[q]
+        return context[own, k] | ((segment[k] == own) & (k <= q))
+
+    return create_block_mask(sees, None, None, length, length, device=device)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled (the fused Triton kernel on CUDA), once per process."""
+    return torch.compile(flex_attention)
+
+
+def packed_flex_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    row_layout: RowLayout | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), each query over its path in
+    `row_layout` (None: the row is one causal sequence)."""
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise ValueError(f"{TREE_ATTENTION} takes one packed row (batch 1) and no attention mask; got batch "
+                         f"{query.shape[0]}{' and a mask' if attention_mask is not None else ''}")
+    if dropout:
+        raise ValueError(f"{TREE_ATTENTION} has no attention dropout (the model's is {dropout}); use packed_sdpa")
+    length = query.shape[2]
+    if row_layout is None:
+        row_layout = RowLayout([(0, length, ())])
+    block_mask = row_layout.cached(("block_mask", length, query.device),
+                                   lambda: tree_block_mask(row_layout, length, query.device))
+    attend = compiled_flex_attention() if query.device.type == "cuda" else flex_attention
+    out = attend(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(TREE_ATTENTION, packed_flex_attention)
