@@ -126,7 +126,7 @@ def test_the_metrics_artifact_shows_sample_train_and_wait_times(prefect_api, asy
     table = latest["data"] if isinstance(latest["data"], list) else json.loads(latest["data"])
     assert [row["step"] for row in table] == list(range(1, STEPS + 1))
     for row in table:
-        assert {"time/sample_rollouts", "time/train", "async/policy_lag_max"} <= set(row)
+        assert {"time/sample_rollouts", "time/train", "async/policy_lag_max", "async/token_age_max"} <= set(row)
         # a step waits for the sampling beside it; the last k steps sample nothing beside their training
         assert ("time/wait_for_sampling" in row) == (row["step"] + k <= STEPS or row["step"] == 1 and k < STEPS)
 
