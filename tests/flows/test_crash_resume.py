@@ -113,10 +113,10 @@ def test_async_run_with_partial_rollouts_killed_while_sampling_ahead_and_while_t
                  if len(set(t.branches[0].policy_versions[t.branches[0].sampled].tolist())) > 1]
     assert continued, "no rollout was continued under newer weights"
     assert straight.exists(straight.step_path(3, "in_flight.json"))
-    from flows.replay import replay
+    from flows.replay import replay_flow
     from trace_rl.algorithms.base import AlgorithmConfig
 
-    replay(run=straight.url, algorithms=[AlgorithmConfig(id="grpo")], out=f"{tmp_path}/replayed")
+    replay_flow(run=straight.url, algorithms=[AlgorithmConfig(id="grpo")], out=f"{tmp_path}/replayed")
     for step in range(1, STEPS + 1):  # the replay of a run with partial rollouts reproduces its batches
         assert pq.read_table(RunStorage.from_url(f"{tmp_path}/replayed").step_path(step, "batch.parquet")).equals(
             pq.read_table(straight.step_path(step, "batch.parquet")))
