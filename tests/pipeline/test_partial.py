@@ -20,7 +20,12 @@ from trace_rl.envs.reverse_text import ReverseText
 from trace_rl.inference.build import build_runtime
 from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.pipeline.partial import (
-    InFlightError, Rollout, SegmentCut, SegmentSampler, play_partial_rollouts, read_in_flight,
+    InFlightError,
+    Rollout,
+    SegmentCut,
+    SegmentSampler,
+    play_partial_rollouts,
+    read_in_flight,
 )
 from trace_rl.pipeline.token_age import age_metrics, drop_stale, mask_stale
 from trace_rl.runs.loading import check_config

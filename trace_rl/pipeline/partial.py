@@ -37,7 +37,13 @@ from trace_rl.envs.lookup import load_env, resolve_env_class
 from trace_rl.errors import RefusedError
 from trace_rl.models.runtime import Generation, ModelRuntime
 from trace_rl.pipeline.rollouts import (
-    MAX_LISTED_ERRORS, RolloutSummary, check_error_fraction, env_names, label, run_rollout, summarize,
+    MAX_LISTED_ERRORS,
+    RolloutSummary,
+    check_error_fraction,
+    env_names,
+    label,
+    run_rollout,
+    summarize,
 )
 from trace_rl.pipeline.token_age import drop_stale
 from trace_rl.storage import RunStorage
@@ -193,7 +199,7 @@ class PartialSummary(RolloutSummary):
 
 
 async def play_partial_rollouts(config: Config, runtimes: Mapping[str, ModelRuntime], step: int,
-                         storage: RunStorage) -> tuple[list[Trace], PartialSummary]:
+                               storage: RunStorage) -> tuple[list[Trace], PartialSummary]:
     """The traces step `step` trains (each env's `batch_size` oldest ended groups) and its summary; the rollouts
     left in flight are written to `steps/<step>/in_flight.json`."""
     runtime = runtimes[config.actor]
