@@ -19,7 +19,8 @@ from trace_rl.storage import RunStorage, step_name
 
 TABLE_COLUMNS = ("reward_mean", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
                  "train/loss/ce", "train/mismatch/k3_kl", "train/grad_norm", "async/policy_lag_max",
-                 "time/sample_rollouts", "time/train", "time/wait_for_sampling", "time/step")
+                 "async/token_age_mean", "async/token_age_max", "async/dropped_for_age", "partial/in_flight",
+                 "partial/carried_tokens", "time/sample_rollouts", "time/train", "time/wait_for_sampling", "time/step")
 
 
 def artifact_key(config: Config, what: str) -> str:

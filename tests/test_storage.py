@@ -14,6 +14,7 @@ from trace_rl.tables import read_batch, read_traces, write_batch, write_traces
 def sample_traces():
     b = make_branch()
     b.advantages, b.mask = np.linspace(-1, 1, 5).astype(np.float32), np.array([0, 0, 0, 1, 1], bool)
+    b.policy_versions = np.array([-1, -1, -1, 2, 3], np.int32)  # cut after token 3, continued under step 3's weights
     return [
         make_trace("t0", reward=1.0, rewards={"sim": 1.0}, info={"answer": "x", "n": [1, 2]},
                    branches=[b, make_branch(index=1, n=7, trainable=False)]),
@@ -28,6 +29,7 @@ def sample_batch():
             trace_id=f"t{i}", branch_index=0, env="reverse-text", input_ids=np.arange(n), temperature=0.7,
             sampled=np.arange(n) > 1, inference_logprobs=np.full(n, -0.25), rl_values=np.linspace(0, 1, n),
             rl_mask=np.arange(n) > 1, ce_values=np.zeros(n), ce_mask=np.zeros(n, bool),
+            policy_versions=np.where(np.arange(n) > 1, np.arange(n) // 3, -1),
         )
         for i, n in enumerate([4, 9])
     ]
@@ -58,12 +60,27 @@ def test_batches_round_trip_exactly(storage):
     back = read_batch(storage, 0)
     for a, b in zip(batch, back):
         assert (a.trace_id, a.branch_index, a.env) == (b.trace_id, b.branch_index, b.env)
-        for name in ("input_ids", "sampled", "inference_logprobs", "rl_values", "rl_mask", "ce_values", "ce_mask"):
+        for name in ("input_ids", "sampled", "inference_logprobs", "rl_values", "rl_mask", "ce_values", "ce_mask",
+                     "policy_versions"):
             expected = getattr(a, name)
             got = getattr(b, name)
             bools = {"sampled": np.bool_, "rl_mask": np.bool_, "ce_mask": np.bool_}
-            assert got.dtype == {"input_ids": np.int32, **bools}.get(name, np.float32)
+            assert got.dtype == {"input_ids": np.int32, "policy_versions": np.int32, **bools}.get(name, np.float32)
             np.testing.assert_array_equal(got, expected.astype(got.dtype))
+
+
+def test_a_batch_of_samples_without_versions_has_no_column_and_reads_back_none(tmp_path):
+    from trace_rl.tables import samples_to_table
+
+    storage = RunStorage(str(tmp_path), "run")
+    unversioned = sample_batch()
+    for sample in unversioned:
+        sample.policy_versions = None
+    assert "policy_versions" not in samples_to_table(unversioned).column_names
+    write_batch(storage, 2, unversioned)
+    assert [s.policy_versions for s in read_batch(storage, 2)] == [None, None]
+    with pytest.raises(ValueError, match="policy_versions: every sample of a batch carries them, or none does"):
+        samples_to_table([*sample_batch(), *unversioned])
 
 
 def test_layout_uses_six_digit_steps(storage):

@@ -489,7 +489,18 @@ class AsyncConfig(Strict):
 
     max_off_policy_steps: int = Field(
         0, ge=0, description="k: step n samples with the weights of step max(0, n - 1 - k), so sampling runs up to k "
-        "steps ahead of training; 0: synchronous (step n samples with the weights of step n - 1)")
+        "steps ahead of training; 0: synchronous (step n samples with the weights of step n - 1). With "
+        "partial_rollout_tokens also how many steps older than those weights a continued token may be "
+        "(stale_tokens)")
+    partial_rollout_tokens: int | None = Field(
+        None, ge=1, description="N: partial rollouts: keep rollouts in flight across steps, each advanced in "
+        "segments of at most N sampled tokens; a step trains each env's batch_size groups that ended first, the "
+        "others continue next step under the new weights (single-turn envs; docs/async.md). Unset: every rollout "
+        "of a step is sampled to its end")
+    stale_tokens: Literal["mask", "drop"] = Field(
+        "mask", description="a token sampled by weights more than max_off_policy_steps steps older than those "
+        "its step samples with (only a rollout continued across steps holds one): 'mask' leaves it out of the "
+        "loss, 'drop' drops its whole rollout (docs/async.md)")
 
 
 class Config(Strict):

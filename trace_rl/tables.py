@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from trace_rl.data.channel import Channel
 from trace_rl.data.sample import SAMPLE_ARRAYS, TrainingSample
-from trace_rl.data.trace import ANNOTATIONS, TOKEN_ARRAYS, Branch, Trace
+from trace_rl.data.trace import ANNOTATIONS, POLICY_VERSIONS, TOKEN_ARRAYS, Branch, Trace
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage
 
@@ -47,8 +47,10 @@ TRACE_SCHEMA = pa.schema(
         ("branch_trainable", pa.bool_()),
         *[(name, pa.list_(_ARROW[dtype])) for name, dtype in TOKEN_ARRAYS.items()],
         *[(name, pa.list_(_ARROW[dtype])) for name, dtype in ANNOTATIONS.items()],
+        (POLICY_VERSIONS, pa.list_(pa.int32())),
     ]
 )
+BRANCH_ARRAYS = {**TOKEN_ARRAYS, **ANNOTATIONS, POLICY_VERSIONS: np.int32}  # the per-token columns of a branch row
 
 BATCH_SCHEMA = pa.schema(
     [
@@ -62,10 +64,12 @@ BATCH_SCHEMA = pa.schema(
         *[col for loss in LOSS_NAMES for col in ((f"{loss}_values", pa.list_(pa.float32())),
                                                   (f"{loss}_mask", pa.list_(pa.bool_())))],
         ("ref_logprobs", pa.list_(pa.float32())),
+        ("policy_versions", pa.list_(pa.int32())),
     ]
 )
-# the column a batch table has only with [trainer.loss.kl]
-OPTIONAL_BATCH_COLUMNS = ("ref_logprobs",)
+# the columns a batch table has only when its samples carry them: `ref_logprobs` (with [trainer.loss.kl]) and
+# `policy_versions` (every batch the pipeline writes; samples built elsewhere may have none)
+OPTIONAL_BATCH_COLUMNS = ("ref_logprobs", "policy_versions")
 
 
 def _message_row(message) -> dict:
@@ -101,9 +105,9 @@ def traces_to_table(traces: list[Trace]) -> pa.Table:
             rows["branch_index"].append(None if branch is None else branch.index)
             rows["temperature"].append(None if branch is None else branch.temperature)
             rows["branch_trainable"].append(None if branch is None else branch.trainable)
-            for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
+            for name in BRANCH_ARRAYS:
                 rows[name].append(None if branch is None else getattr(branch, name))
-    for name, dtype in {**TOKEN_ARRAYS, **ANNOTATIONS}.items():
+    for name, dtype in BRANCH_ARRAYS.items():
         rows[name] = list_column(rows[name], dtype)
     return pa.Table.from_pydict(rows, schema=TRACE_SCHEMA)
 
@@ -145,7 +149,7 @@ def table_to_traces(table: pa.Table) -> list[Trace]:
         index = columns["branch_index"][row].as_py()
         if index is None:
             continue
-        arrays = {name: _array(columns[name], row, dtype) for name, dtype in {**TOKEN_ARRAYS, **ANNOTATIONS}.items()}
+        arrays = {name: _array(columns[name], row, dtype) for name, dtype in BRANCH_ARRAYS.items()}
         branch = Branch(index=index, temperature=columns["temperature"][row].as_py(),
                         trainable=columns["branch_trainable"][row].as_py(), **arrays)
         traces[trace_id].branches.append(branch)
@@ -153,12 +157,15 @@ def table_to_traces(table: pa.Table) -> list[Trace]:
 
 
 def samples_to_table(samples: list[TrainingSample]) -> pa.Table:
-    """The batch table; `ref_logprobs` is a column only when the samples carry them (all or none)."""
-    with_ref = [s.ref_logprobs is not None for s in samples]
-    if any(with_ref) and not all(with_ref):
-        raise ValueError("ref_logprobs: every sample of a batch carries the reference's logprobs, or none does")
-    schema = BATCH_SCHEMA if samples and all(with_ref) else BATCH_SCHEMA.remove(
-        BATCH_SCHEMA.get_field_index("ref_logprobs"))
+    """The batch table; `ref_logprobs` and `policy_versions` are columns only when the samples carry them (each
+    all or none)."""
+    schema = BATCH_SCHEMA
+    for name in OPTIONAL_BATCH_COLUMNS:
+        carried = [getattr(s, name) is not None for s in samples]
+        if any(carried) and not all(carried):
+            raise ValueError(f"{name}: every sample of a batch carries them, or none does")
+        if not samples or not all(carried):
+            schema = schema.remove(schema.get_field_index(name))
     rows = {
         name: (list_column([np.asarray(getattr(s, name)) for s in samples], SAMPLE_ARRAYS[name])
                if name in SAMPLE_ARRAYS else [getattr(s, name) for s in samples])

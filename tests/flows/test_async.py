@@ -12,7 +12,7 @@ from tests.flows.conftest import small_config
 from trace_rl.pipeline.schedule import sampling_weights
 from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage
-from trace_rl.tables import read_traces
+from trace_rl.tables import read_batch, read_traces
 
 STEPS = 4
 
@@ -51,6 +51,13 @@ def test_every_trace_was_sampled_with_the_scheduled_weights(async_run):
         assert all(t.policy_step >= step - 1 - k for t in traces)  # never more than k versions behind
         metrics = storage.read_json(storage.step_path(step, "metrics.json"))
         assert metrics["async/policy_lag_max"] == step - 1 - sampling_weights(step, k)
+        # every sampled token records the scheduled weights; without partial rollouts none is stale or masked
+        assert {int(v) for t in traces for b in t.branches for v in b.policy_versions[b.sampled]} == {
+            sampling_weights(step, k)}
+        assert (metrics["async/token_age_max"], metrics["batch/age_masked_tokens"]) == (step - 1 - sampling_weights(
+            step, k), 0)
+        assert {int(v) for s in read_batch(storage, step) for v in s.policy_versions[s.sampled]} == {
+            sampling_weights(step, k)}
         assert {"train/mismatch/k3_kl", "train/mismatch/mean_abs_logprob_diff", "train/mismatch/is_capped_fraction",
                 "time/sample_rollouts", "time/train"} <= set(metrics)
     assert storage.stable_steps("weights") == list(range(1, STEPS + 1))
@@ -119,7 +126,7 @@ def test_the_metrics_artifact_shows_sample_train_and_wait_times(prefect_api, asy
     table = latest["data"] if isinstance(latest["data"], list) else json.loads(latest["data"])
     assert [row["step"] for row in table] == list(range(1, STEPS + 1))
     for row in table:
-        assert {"time/sample_rollouts", "time/train", "async/policy_lag_max"} <= set(row)
+        assert {"time/sample_rollouts", "time/train", "async/policy_lag_max", "async/token_age_max"} <= set(row)
         # a step waits for the sampling beside it; the last k steps sample nothing beside their training
         assert ("time/wait_for_sampling" in row) == (row["step"] + k <= STEPS or row["step"] == 1 and k < STEPS)
 

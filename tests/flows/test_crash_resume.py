@@ -9,11 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
 from tests.flows.conftest import small_config
 from trace_rl.storage import RunStorage
+from trace_rl.tables import read_traces
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -95,12 +97,29 @@ def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path):
 
 
 @pytest.mark.slow
-def test_async_run_killed_while_sampling_ahead_and_while_training_resumes_bitwise_identical(prefect_api, tmp_path):
-    """k = 1: step 3 is sampled while step 2 trains; kills land in that sampling, in step 2's checkpoint write, and
-    after step 3's traces are saved but before they are trained on (the resumed run reuses them)."""
-    one_ahead = {"async": {"max_off_policy_steps": 1}}
+def test_async_run_with_partial_rollouts_killed_while_sampling_ahead_and_while_training_resumes_bitwise_identical(
+        prefect_api, tmp_path):
+    """k = 1 with partial rollouts (segments of 3 tokens, several stop tokens so rollouts end at different lengths):
+    step 3 is sampled while step 2 trains, continuing the rollouts step 2 left in flight; kills land in that
+    sampling, in step 2's checkpoint write, and after step 3's traces are saved but before they are trained on (the
+    resumed run reuses them)."""
+    one_ahead = {"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 3},
+                 "model": {"name": "tiny", "stop_tokens": ["<|im_end|>", *"etaoinshr"]},
+                 "sampling": {"max_completion_tokens": 9}}
     train_here(write_config(tmp_path, "async-straight", **one_ahead))
     expected = weights(tmp_path, "async-straight")
+    straight = RunStorage(str(tmp_path / "runs"), "async-straight")
+    continued = [t for step in (1, 2, 3) for t in read_traces(straight, step)
+                 if len(set(t.branches[0].policy_versions[t.branches[0].sampled].tolist())) > 1]
+    assert continued, "no rollout was continued under newer weights"
+    assert straight.exists(straight.step_path(3, "in_flight.json"))
+    from flows.replay import replay_flow
+    from trace_rl.algorithms.base import AlgorithmConfig
+
+    replay_flow(run=straight.url, algorithms=[AlgorithmConfig(id="grpo")], out=f"{tmp_path}/replayed")
+    for step in range(1, STEPS + 1):  # the replay of a run with partial rollouts reproduces its batches
+        assert pq.read_table(RunStorage.from_url(f"{tmp_path}/replayed").step_path(step, "batch.parquet")).equals(
+            pq.read_table(straight.step_path(step, "batch.parquet")))
 
     config = write_config(tmp_path, "async-killed", **one_ahead)
     storage = RunStorage(str(tmp_path / "runs"), "async-killed")

@@ -17,8 +17,10 @@ INLINE = re.compile(rf"`(?:(?:runs|<storage>)/(?:<name>|demo)/)?({TOP})`")
 # a step is six digits: the placeholders, and examples such as `steps/000030/` (whichever step they show)
 PLACEHOLDERS = [("<step:06d>", r"\d{6}"), ("<step>", r"\d{6}"), ("<s>", r"\d{6}"), ("<s-1>", r"\d{6}"),
                 ("<NN>", r"\d{2}"), ("<algorithm>", r"[^/]+"), ("<id>", r"[^/]+"), ("*", r"[^/]*")]
-# written only by some runs: a stateful algorithm's state (rae), the record of a replay's --out and a tracker's run id
-ONLY_SOME_RUNS = {"steps/<step>/channels/<NN>-<algorithm>.state.json", "replay.json", "tracking/<backend>.json"}
+# written only by some runs: a stateful algorithm's state (rae), the record of a replay's --out, a tracker's run id
+# and the rollouts in flight of a run with partial rollouts (tests/flows/test_crash_resume.py checks it is written)
+ONLY_SOME_RUNS = {"steps/<step>/channels/<NN>-<algorithm>.state.json", "replay.json", "tracking/<backend>.json",
+                  "steps/<step>/in_flight.json", "steps/<s>/in_flight.json"}
 
 
 def layout_paths(text: str) -> set[str]:

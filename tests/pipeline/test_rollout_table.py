@@ -3,6 +3,7 @@ cut and secrets redacted. The table on a real Prefect server: tests/flows/test_p
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.algorithms.helpers import chat_branch, make_trace, run
@@ -68,6 +69,17 @@ def test_advantage_is_the_summed_rl_value_and_empty_without_rl_channel():
     sft = run(apply_algorithm(load_algorithm("sft"), traces))  # a ce channel: no advantage
     assert {row["advantage"] for row in rollout_rows(config(count=4), 1, traces, sft)} == {None}
     assert {row["policy_step"] for row in rows} == {0}
+    assert {row["policy_versions"] for row in rows} == {"0"}  # not recorded: the trace's policy_step
+
+
+def test_policy_versions_show_the_span_of_a_continued_rollout():
+    trace = answer("continued", 1.0, "g", policy_step=3)
+    branch = trace.branches[0]
+    versions = np.full(len(branch), -1, np.int32)
+    versions[branch.sampled] = np.linspace(2, 3, int(branch.sampled.sum())).round()
+    branch.policy_versions = versions
+    (row,) = rollout_rows(config(count=1), 4, [trace], [])
+    assert (row["policy_step"], row["policy_versions"]) == (3, "2..3")
 
 
 def test_the_last_turn_and_the_message_it_answered_with_tool_calls():

@@ -267,6 +267,7 @@ def test_traces_round_trip_the_wire_exactly():
     trace.branches[0].logprobs[-1] = np.float32(-3.4028235e38)
     trace.branches[1].advantages = np.float32([0.1, -0.0, 1e-45, 3, 4, 5, 6, 7, 8])  # the branch's 9 tokens
     trace.branches[1].mask = np.arange(len(trace.branches[1])) % 2 == 1
+    trace.branches[1].policy_versions = np.where(trace.branches[1].sampled, [0, 0, 0, 0, 0, 4, 4, 5, 5], -1).astype(np.int32)
     wire = RunRequest(algorithms=[AlgorithmConfig(id="x", a={"b": 1})], traces=[trace.to_dict()]).model_dump_json()
     back = RunRequest.model_validate_json(wire)
     restored = back.traces[0].to_trace()

@@ -128,4 +128,5 @@ def test_an_untrainable_branch_travels_as_one_and_a_trainable_one_as_before():
     trace.branches[1].trainable = False
     [wire] = json.loads(RunRequest(algorithms=[], traces=[WireTrace.of(trace)]).model_dump_json())["traces"]
     assert ["trainable" in branch for branch in wire["branches"]] == [False, True]
+    assert not any("policy_versions" in branch for branch in wire["branches"])  # not recorded: not sent
     assert WireTrace.model_validate(wire).to_trace().equals(trace)

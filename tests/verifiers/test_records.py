@@ -63,7 +63,9 @@ def test_verifiers_traces_jsonl_episodes_replay_at_their_training_step(tmp_path)
 
 @pytest.mark.parametrize("suffix", ["jsonl", "msgpack"])
 def test_trace_rl_traces_come_back_in_their_steps_and_groups(tmp_path, suffix):
-    steps = {2: [make_trace("a", group="g2", reward=1.0, policy_step=1),
+    continued = make_branch(n=7)
+    continued.policy_versions = np.array([-1, -1, -1, 0, 0, 1, 1], np.int32)  # cut after two tokens, continued
+    steps = {2: [make_trace("a", group="g2", reward=1.0, policy_step=1, branches=[continued]),
                  make_trace("b", group="g2", reward=0.0, error="boom", branches=[])],
              3: [make_trace("c", group="g3", branches=[make_branch(), make_branch(index=1, n=7, trainable=False)])]}
     path = str(tmp_path / f"traces.{suffix}")
@@ -72,6 +74,17 @@ def test_trace_rl_traces_come_back_in_their_steps_and_groups(tmp_path, suffix):
     assert sorted(back) == [2, 3]
     for step, traces in steps.items():
         assert all(a.equals(b) for a, b in zip(back[step], traces)), [t.to_dict() for t in back[step]]
+    assert back[2][0].branches[0].policy_versions.tolist() == [-1, -1, -1, 0, 0, 1, 1]
+    record = read_first_record(path)
+    assert record["info"]["trace_rl"]["policy"] == vf.PolicySpan(start=0, end=1).model_dump()
+
+
+def read_first_record(path: str) -> dict:
+    if path.endswith(".msgpack"):
+        import msgpack
+
+        return next(iter(msgpack.Unpacker(open(path, "rb"), raw=False, strict_map_key=False)))
+    return json.loads(Path(path).read_text().splitlines()[0])
 
 
 def test_records_without_token_ids_are_refused_naming_the_first(tmp_path):

@@ -31,6 +31,9 @@ class TrainingSample:
     # the [trainer.loss.kl] reference's logprobs of `input_ids` (its first 0), scored at `temperature` on sampled
     # tokens; None without a KL penalty (the batch then has no such column)
     ref_logprobs: np.ndarray | None = None
+    # int32 per token: the weights step that sampled it (-1: not sampled), as the branch records it
+    # (trace_rl.data.trace); None for a sample built outside the pipeline (its batch then has no such column)
+    policy_versions: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -38,6 +41,7 @@ class TrainingSample:
 
 SAMPLE_ARRAYS = {
     "input_ids": np.int32, "sampled": np.bool_, "inference_logprobs": np.float32, "ref_logprobs": np.float32,
+    "policy_versions": np.int32,
     **{f"{loss}_{part}": (np.float32 if part == "values" else np.bool_) for loss in LOSS_NAMES
        for part in ("values", "mask")},
 }

@@ -19,6 +19,12 @@ runner takes no channel from it and validation refuses one that masks any of its
 
 Algorithms annotate a branch with `advantages` (float32) and `mask` (bool);
 None means "never assigned", which differs from zeros.
+
+`policy_versions` (int32 per token, or None) records the weights step that sampled each token (0: the initial
+model), -1 on tokens not sampled. A rollout cut and continued across steps (`[async] partial_rollout_tokens`)
+holds tokens of several versions. None means "not recorded" (a branch built outside the rollout loop, e.g. by
+an env or from foreign verifiers records): every sampled token was sampled by the trace's `policy_step`
+(`Branch.versions_or` fills them in so).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ TOKEN_ARRAYS = {
     "is_content": np.bool_,
 }
 ANNOTATIONS = {"advantages": np.float32, "mask": np.bool_}
+POLICY_VERSIONS = "policy_versions"
+NOT_SAMPLED = -1  # the version of a token no policy sampled
 
 
 class TraceError(ValueError):
@@ -75,11 +83,18 @@ class Branch:
     trainable: bool = True
     advantages: np.ndarray | None = None
     mask: np.ndarray | None = None
+    policy_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in TOKEN_ARRAYS.items():
             setattr(self, name, np.asarray(getattr(self, name), dtype=dtype))
         lengths = {name: len(getattr(self, name)) for name in TOKEN_ARRAYS}
+        if self.policy_versions is not None:
+            self.policy_versions = np.asarray(self.policy_versions, dtype=np.int32)
+            lengths[POLICY_VERSIONS] = len(self.policy_versions)
+            if len(set(lengths.values())) == 1 and np.any((self.policy_versions >= 0) != self.sampled):
+                raise TraceError(f"branch {self.index}: policy_versions must be >= 0 exactly on sampled tokens "
+                                 f"({NOT_SAMPLED} elsewhere)")
         if len(set(lengths.values())) != 1:
             raise TraceError(f"branch {self.index}: per-token arrays differ in length: {lengths}")
         self.index = int(self.index)
@@ -91,6 +106,12 @@ class Branch:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def versions_or(self, policy_step: int) -> np.ndarray:
+        """`policy_versions`, or where not recorded, `policy_step` on every sampled token."""
+        if self.policy_versions is not None:
+            return self.policy_versions
+        return np.where(self.sampled, np.int32(policy_step), np.int32(NOT_SAMPLED)).astype(np.int32)
+
     def clear_annotations(self) -> None:
         self.advantages = None
         self.mask = None
@@ -98,7 +119,7 @@ class Branch:
     def equals(self, other: Branch) -> bool:
         if (self.index, self.temperature, self.trainable) != (other.index, other.temperature, other.trainable):
             return False
-        for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
+        for name in (*TOKEN_ARRAYS, *ANNOTATIONS, POLICY_VERSIONS):
             a, b = getattr(self, name), getattr(other, name)
             if (a is None) != (b is None):
                 return False
@@ -122,6 +143,8 @@ class Trace:
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # the weights step that sampled it (0: the initial model); for a rollout continued across steps, the weights
+    # that sampled its last token (each token's own: `Branch.policy_versions`)
     policy_step: int = 0
 
     def __post_init__(self) -> None:
@@ -194,6 +217,8 @@ def _branch_to_dict(branch: Branch) -> dict[str, Any]:
     for name in (*TOKEN_ARRAYS, *ANNOTATIONS):
         value = getattr(branch, name)
         out[name] = None if value is None else value.tolist()
+    if branch.policy_versions is not None:  # written only when recorded, like `trainable`
+        out[POLICY_VERSIONS] = branch.policy_versions.tolist()
     return out
 
 

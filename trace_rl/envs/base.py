@@ -81,7 +81,8 @@ class Sampler:
         renderer = Renderer(self.runtime.tokenizer, tools, end_of_turn=(self.runtime.config.stop_tokens or [None])[0])
         return Conversation(renderer, generate, temperature=self.sampling.temperature, messages=messages)
 
-    async def generate(self, prompt_ids: list[int], *, seed: int) -> Generation:
+    async def generate(self, prompt_ids: list[int], *, seed: int, max_tokens: int | None = None) -> Generation:
+        """One turn of at most `max_tokens` (default: the env's `max_completion_tokens`) that fit `max_model_len`."""
         room = self.runtime.config.max_model_len - len(prompt_ids)
         if room <= 0:
             raise EnvError(
@@ -90,7 +91,8 @@ class Sampler:
             )
         request = self.runtime.generate(
             prompt_ids, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-            max_tokens=min(self.sampling.max_completion_tokens, room), seed=seed, stop=self.sampling.stop,
+            max_tokens=min(self.sampling.max_completion_tokens if max_tokens is None else max_tokens, room), seed=seed,
+            stop=self.sampling.stop,
         )
         try:
             return await asyncio.wait_for(request, self.timeout_s)
@@ -105,6 +107,9 @@ class Environment:
 
     id: ClassVar[str] = ""
     Options: ClassVar[type[BaseModel]] = NoOptions
+    # the rollout samples one turn of one agent (its first `generate` is its only one): what `[async]
+    # partial_rollout_tokens` can cut and continue by driving the rollout again (trace_rl.pipeline.partial)
+    single_turn: ClassVar[bool] = False
 
     def __init__(self, args: Mapping[str, Any] | None = None):
         self.args = validate_args(type(self), dict(args or {}))

@@ -50,6 +50,7 @@ def sum_channels(traces: list[Trace], channels: list[Channel]) -> list[TrainingS
                     trace_id=trace.id, branch_index=branch.index, env=trace.env, input_ids=branch.token_ids,
                     temperature=branch.temperature, sampled=branch.sampled, inference_logprobs=branch.logprobs,
                     rl_values=rl_values, rl_mask=rl_mask, ce_values=ce_values, ce_mask=ce_mask,
+                    policy_versions=branch.versions_or(trace.policy_step),
                 ))
     return samples
 

@@ -6,7 +6,8 @@
   - random: any `count`, in trace order.
 The random choices are seeded by (run seed, step), so a step shows the same rollouts whenever it runs.
 
-Each row: env, example, the policy step whose weights sampled it, the reward, the advantage (the mean `rl` value
+Each row: env, example, the policy step whose weights sampled it, the span of its sampled tokens' versions
+(`policy_versions`: "3", or "2..3" for a rollout continued across steps under newer weights), the reward, the advantage (the mean `rl` value
 over the trace's trained tokens, every `rl` channel summed as the trainer sees it; empty when no `rl` channel
 trained the trace), the message the model answered (the one before its last turn) and that last turn.
 Texts longer than `max_chars` are cut in the middle (how an answer starts and how it ends both tell), and every
@@ -29,7 +30,7 @@ from trace_rl.envs.base import derive_seed
 from trace_rl.pipeline.channels import combine
 
 # the numbers before the texts: a long completion pushes the columns after it out of the UI's view
-COLUMNS = ("env", "example", "policy_step", "reward", "advantage", "prompt", "completion")
+COLUMNS = ("env", "example", "policy_step", "policy_versions", "reward", "advantage", "prompt", "completion")
 CUT = " [... {} characters cut ...] "
 
 
@@ -96,8 +97,18 @@ def rl_advantages(traces: list[Trace], channels: list[Channel]) -> dict[str, flo
 def row(trace: Trace, advantage: float | None, max_chars: int, secrets: Iterable[str]) -> dict:
     prompt, completion = last_exchange(trace.messages)
     return {"env": trace.env, "example": trace.example_id, "policy_step": trace.policy_step,
-            "reward": round(trace.reward, 4), "advantage": None if advantage is None else round(advantage, 4),
+            "policy_versions": version_span(trace), "reward": round(trace.reward, 4), "advantage": None if advantage is None else round(advantage, 4),
             "prompt": shown(prompt, max_chars, secrets), "completion": shown(completion, max_chars, secrets)}
+
+
+def version_span(trace: Trace) -> str:
+    """The oldest and newest version of the trace's sampled tokens: "3", "2..3", or "" when it sampled none."""
+    versions = [b.versions_or(trace.policy_step)[b.sampled] for b in trace.branches]
+    versions = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+    if not versions.size:
+        return ""
+    low, high = int(versions.min()), int(versions.max())
+    return str(low) if low == high else f"{low}..{high}"
 
 
 def last_exchange(messages: list[Message]) -> tuple[str, str]:

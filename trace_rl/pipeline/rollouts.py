@@ -132,18 +132,7 @@ async def play_rollouts(
                 env, example, sampler,
                 max_retries=config.inference.max_retries, backoff_s=config.inference.retry_backoff_s,
             )
-        for trace in traces:
-            trace.env = config.env[env_index].id
-            trace.group_id = group_id
-            trace.id = f"{group_id}-r{rollout}-{trace.agent}"
-            trace.policy_step = policy_step
-        ids = [trace.id for trace in traces]
-        if len(set(ids)) < len(ids):
-            twice = sorted({i for i in ids if ids.count(i) > 1})
-            raise TraceError(
-                f"env {names[env_index]!r} returned several traces of one agent in one rollout (trace ids "
-                f"{', '.join(map(repr, twice))}); give each agent of a rollout its own `agent` name"
-            )
+        label(traces, config.env[env_index].id, names[env_index], group_id, rollout, policy_step)
         return env_index, traces, retries
 
     def round_jobs(env: Environment, env_index: int, examples: list[Example], round_: int) -> list:
@@ -180,6 +169,26 @@ async def play_rollouts(
                 "dropped_groups": len({traces[0].group_id for traces in rollouts}) - kept})
     summary.errors = list(dict.fromkeys(t.error for t in traces if t.error))[:MAX_LISTED_ERRORS]
     return traces, summary
+
+
+def label(traces: list[Trace], env_id: str, name: str, group_id: str, rollout: int, policy_step: int) -> None:
+    """Fill in what the rollout loop owns: env, group and trace ids, the sampling weights and each branch's
+    per-token versions (where the rollout did not record them: `policy_step`). TraceError when two traces of the
+    rollout share an agent."""
+    for trace in traces:
+        trace.env = env_id
+        trace.group_id = group_id
+        trace.id = f"{group_id}-r{rollout}-{trace.agent}"
+        trace.policy_step = policy_step
+        for branch in trace.branches:
+            branch.policy_versions = branch.versions_or(policy_step)
+    ids = [trace.id for trace in traces]
+    if len(set(ids)) < len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise TraceError(
+            f"env {name!r} returned several traces of one agent in one rollout (trace ids "
+            f"{', '.join(map(repr, twice))}); give each agent of a rollout its own `agent` name"
+        )
 
 
 def uniform_group(traces: list[Trace]) -> bool:

@@ -28,6 +28,7 @@ from trace_rl.pipeline.channels import channel_stats, sum_channels
 from trace_rl.pipeline.rollout_table import rollout_rows
 from trace_rl.pipeline.schedule import check_staleness, lag_metrics
 from trace_rl.pipeline.session import Session
+from trace_rl.pipeline.token_age import age_metrics, mask_stale
 from trace_rl.remote.client import remote_server_for, run_remote_algorithm
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.tables import read_channels, read_samples, read_traces, write_channels, write_samples, write_traces
@@ -77,14 +78,19 @@ def sample_rollouts(session: Session, step: int) -> dict:
     from trace_rl.pipeline.rollouts import play_rollouts
 
     async def play() -> tuple:
-        return await play_rollouts(session.config, await session.models_at(step), step)
+        models = await session.models_at(step)
+        if session.config.async_.partial_rollout_tokens is None:
+            return await play_rollouts(session.config, models, step)
+        from trace_rl.pipeline.partial import play_partial_rollouts
+
+        return await play_partial_rollouts(session.config, models, step, session.storage)
 
     started = time.perf_counter()
     traces, summary = run_sync(play())
     path = write_traces(session.storage, step, traces)
     metrics = summary.metrics()
     if session.config.actor == POLICY:
-        metrics.update(lag_metrics(traces, step))
+        metrics.update({**lag_metrics(traces, step), **age_metrics(traces, step)})
     return {"traces": path, "summary": summary.model_dump(), "metrics": metrics,
             "seconds": time.perf_counter() - started}
 
@@ -147,8 +153,8 @@ def read_step(session: Session, step: int, channel_paths: list[str], out: RunSto
 def validate_dimensions(session: Session, step: int, channel_paths: list[str], out: RunStorage | None = None) -> dict:
     """Every channel checked against its branch (a failure names env, trace, branch and algorithm); writes nothing."""
     traces, channels = read_step(session, step, channel_paths, out or session.storage)
-    if session.config.actor == POLICY:
-        check_staleness(traces, step, session.config.async_.max_off_policy_steps)
+    if session.config.actor == POLICY and session.config.async_.partial_rollout_tokens is None:
+        check_staleness(traces, step, session.config.async_.max_off_policy_steps)  # partial: token_age masks
     validate_channels(traces, channels)
     return {"channels": len(channels), "branches": sum(len(t.branches) for t in traces)}
 
@@ -160,7 +166,10 @@ def aggregate_channels(session: Session, step: int, channel_paths: list[str], ou
     out = out or session.storage
     traces, channels = read_step(session, step, channel_paths, out)
     samples = sum_channels(traces, channels)
+    masked = mask_stale(samples, step, session.config.async_.max_off_policy_steps) \
+        if session.config.actor == POLICY else 0
     stats = {
+        "age_masked_tokens": masked,
         "samples": len(samples),
         "tokens": int(sum(len(s) for s in samples)),
         **{f"{loss}_tokens": int(sum(getattr(s, f"{loss}_mask").sum() for s in samples)) for loss in LOSS_NAMES},

@@ -42,7 +42,8 @@ class Health(Wire):
 
 class WireBranch(Wire):
     """One branch: its per-token arrays as lists of one length (see trace_rl.data.trace), annotations null if unset.
-    `trainable` is sent only when false, so a trainable branch is what every protocol-1 server reads."""
+    `trainable` is sent only when false and `policy_versions` only when recorded, so such a branch is what every
+    protocol-1 server reads."""
 
     index: int = 0
     temperature: float = 1.0
@@ -54,12 +55,15 @@ class WireBranch(Wire):
     is_content: list[bool]
     advantages: list[float] | None = None
     mask: list[bool] | None = None
+    policy_versions: list[Int32] | None = None
 
     @model_serializer(mode="wrap")
     def _trainable_only_when_false(self, handler):
         data = handler(self)
         if self.trainable:
             data.pop("trainable", None)
+        if self.policy_versions is None:
+            data.pop("policy_versions", None)
         return data
 
 

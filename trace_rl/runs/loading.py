@@ -22,6 +22,7 @@ from trace_rl.models.hub import check_models
 from trace_rl.models.lora import check_lora
 from trace_rl.models.runtime import check_stop_tokens
 from trace_rl.pipeline.colocation import check_colocation
+from trace_rl.pipeline.partial import check_partial
 from trace_rl.runs.tracking import check_trackers
 
 
@@ -35,7 +36,7 @@ def check_config(config: Config, on_this_machine: bool = False, envs: bool = Tru
         raise ConfigError(problems)
     problems = (check_envs(config) if envs else []) + check_algorithms(config) + loss_problems(config.trainer.loss)
     problems += check_models(config)
-    problems += check_stop_tokens(config)
+    problems += check_stop_tokens(config) + check_partial(config)
     problems += check_trackers(config) + check_lora(config)
     if not problems:  # which engines exist depends on valid algorithm options
         problems = check_colocation(config, on_this_machine)

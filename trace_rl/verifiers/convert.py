@@ -22,7 +22,10 @@ branch is a root-to-leaf path. A trace-rl `Trace` holds the messages once and, p
   task.data.idx (else its id, key)       `example_id`; the taskset (`task.type`) is the default `env`
 
 The way back (`vf_from_trace`) writes trace-rl's fields verifiers has no place for under `info["trace_rl"]`
-(env, example and group ids, policy step, the replay step, the exact error), which `trace_from_vf` reads back;
+(env, example and group ids, policy step, the replay step, the exact error, and the per-token versions: `policy`,
+the episode's version span as verifiers' `PolicySpan` (start: the oldest version of a sampled token, end: the
+newest), and `policy_versions`, one list per branch, where the branches record them), which `trace_from_vf`
+reads back;
 a message's scaffold tokens that belong to no message (-1) join the next message's node, so they come back
 attributed to that message (with `is_content` false) unless they are a generation prompt. An untrainable
 branch is written as verifiers writes one: a leaf marked as an unaccepted compaction attempt.
@@ -83,9 +86,14 @@ def trace_from_vf(vf_trace: vf.Trace, *, env: str | None = None, example_id: str
                               "client, which returns text only); trace-rl trains on token ids")
     message_of, messages = _messages(vf_trace)
     has_tokens = any(node.token_ids for node in vf_trace.nodes)
+    versions = saved.get("policy_versions") or [None] * len(vf_trace.branches)
+    if len(versions) != len(vf_trace.branches):
+        raise ConversionError(f"trace {vf_trace.id}: info.trace_rl.policy_versions holds {len(versions)} lists for "
+                              f"{len(vf_trace.branches)} branches")
     try:
-        branches = [_branch(vf_trace, branch, path, message_of)
-                    for branch, path in zip(vf_trace.branches, _paths(vf_trace))] if has_tokens else []
+        branches = [_branch(vf_trace, branch, path, message_of, branch_versions)
+                    for branch, path, branch_versions in zip(vf_trace.branches, _paths(vf_trace), versions)
+                    ] if has_tokens else []
         rewards = {name: reward.score for name, reward in vf_trace.rewards.items() if reward is not None}
         rewards.pop(saved.get("reward_entry"), None)
         return Trace(
@@ -154,7 +162,8 @@ def call_arguments(raw: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"input": raw}
 
 
-def _branch(vf_trace: vf.Trace, branch: vf.Branch, node_ids: list[int], message_of: list[int]) -> Branch:
+def _branch(vf_trace: vf.Trace, branch: vf.Branch, node_ids: list[int], message_of: list[int],
+            policy_versions: list[int] | None) -> Branch:
     parts: dict[str, list[np.ndarray]] = {name: [] for name in ("token_ids", "sampled", "logprobs", "message_index",
                                                                  "is_content")}
     for node_id in node_ids:
@@ -180,7 +189,7 @@ def _branch(vf_trace: vf.Trace, branch: vf.Branch, node_ids: list[int], message_
         parts["is_content"].append(np.asarray(node.is_content, np.bool_) if node.is_content else sampled.copy())
     arrays = {name: np.concatenate(chunks) if chunks else np.empty(0) for name, chunks in parts.items()}
     return Branch(index=branch.index, temperature=_temperature(vf_trace, branch), trainable=branch.trainable,
-                  **arrays)
+                  policy_versions=policy_versions, **arrays)
 
 
 def _temperature(vf_trace: vf.Trace, branch: vf.Branch) -> float:
@@ -216,7 +225,8 @@ def vf_from_trace(trace: Trace, *, model: str | None = None, step: int | None = 
     branches, tokens, sampled mask, logprobs and is_content (see the module's table). `model` is recorded as the
     agent's model, `step` (the step that trained on it) under `info["trace_rl"]`. ConversionError for a branch
     verifiers cannot hold: a message whose tokens are not in one piece, or a branch that is a prefix of another."""
-    from verifiers.v1 import AgentInfo, Error, MessageNode, ModelCall, ParentLink, Reward, SamplingConfig, Timing
+    from verifiers.v1 import AgentInfo, Error, MessageNode, ModelCall, ParentLink, PolicySpan, Reward, SamplingConfig
+    from verifiers.v1 import Timing
     from verifiers.v1 import TraceTask, WireTaskData, WireTrace
     from verifiers.v1.configs.agent import WireAgentConfig
 
@@ -272,6 +282,13 @@ def vf_from_trace(trace: Trace, *, model: str | None = None, step: int | None = 
                              "policy_step": trace.policy_step}
     if step is not None:
         saved["step"] = step
+    if trace.branches:
+        versions = [branch.versions_or(trace.policy_step) for branch in trace.branches]
+        sampled = np.concatenate([v[b.sampled] for v, b in zip(versions, trace.branches)])
+        if sampled.size:
+            saved["policy"] = PolicySpan(start=int(sampled.min()), end=int(sampled.max())).model_dump()
+        if all(branch.policy_versions is not None for branch in trace.branches):
+            saved["policy_versions"] = [v.tolist() for v in versions]
     rewards = {name: Reward(score=value, weight=1.0) for name, value in trace.rewards.items()}
     if not trace.rewards or sum(trace.rewards.values()) != trace.reward:  # verifiers' reward is the weighted sum
         saved["reward_entry"] = "reward" if "reward" not in trace.rewards else "reward_total"

@@ -1,0 +1,193 @@
+"""Partial rollouts (`[async] partial_rollout_tokens`) on the transformers sampler and the tiny model: a rollout cut
+and continued under newer weights, the step's choice of ended groups and its in-flight store, stale tokens masked
+or dropped, and the configs refused. The SIGKILL + resume of a run with rollouts in flight:
+tests/flows/test_crash_resume.py::test_async_run_with_partial_rollouts_killed_...
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.data.test_trace import make_branch, make_trace
+from tests.flows.conftest import small_config
+from tests.inference.conftest import save_updated_model, trainer_logprobs
+from trace_rl.config import Config, ConfigError, parse_config
+from trace_rl.data.sample import TrainingSample
+from trace_rl.envs.reverse_text import ReverseText
+from trace_rl.inference.build import build_runtime
+from trace_rl.models.runtime import RuntimeConfig
+from trace_rl.pipeline.partial import (
+    InFlightError,
+    Rollout,
+    SegmentCut,
+    SegmentSampler,
+    play_partial_rollouts,
+    read_in_flight,
+)
+from trace_rl.pipeline.token_age import age_metrics, drop_stale, mask_stale
+from trace_rl.runs.loading import check_config
+from trace_rl.storage import RunStorage
+
+# several common bytes end a turn, so rollouts end at different lengths and some stay in flight across steps
+STOP_TOKENS = ["<|im_end|>", *"etaoinshr"]
+
+
+def partial_config(storage: str, name: str, **overrides) -> Config:
+    data = small_config(storage, name, **{"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 3},
+                                          "sampling": {"max_completion_tokens": 9}, **overrides})
+    return Config(**data)
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_path):
+    return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
+
+
+@pytest.fixture(scope="module")
+def stop_runtime(tiny_model_path):
+    return build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf", stop_tokens=STOP_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def updated_dir(tiny_model_path, tmp_path_factory) -> str:
+    """Weights version 1: the tiny model moved by seeded noise (a stand-in for a trainer step)."""
+    path = str(tmp_path_factory.mktemp("weights-1"))
+    save_updated_model(tiny_model_path, path)
+    return path
+
+
+@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def sampler_runtime(request, runtime):
+    """Each in-process sampler in turn (the vLLM one is the session's shared engine)."""
+    return runtime if request.param == "hf" else request.getfixturevalue("vllm_runtime")
+
+
+def test_a_cut_rollout_continues_from_its_exact_ids_and_each_logprob_is_its_own_weights(
+        sampler_runtime, tiny_model_path, updated_dir, tmp_path):
+    runtime = sampler_runtime
+    config = partial_config(str(tmp_path), "cut", sampling={"max_completion_tokens": 10, "temperature": 1.3})
+    env = ReverseText()
+    example = env.examples(0, 1)[0]
+    record = Rollout(origin=1, env_index=0, example_index=0, rollout=0)
+
+    def drive():
+        return asyncio.run(env.rollout(example, SegmentSampler(runtime, config, 0, record, seed=11, tokens=4)))
+
+    with pytest.raises(SegmentCut):
+        drive()
+    cut = list(record.token_ids)
+    assert len(cut) == 4 and record.versions == [0] * 4 and record.finish_reason is None
+    asyncio.run(runtime.load_weights(updated_dir, 1))
+    try:
+        with pytest.raises(SegmentCut):
+            drive()
+        assert record.token_ids[:4] == cut and len(record.token_ids) == 8
+        (trace,) = drive()  # the last 2 tokens of the 10 allowed, still under version 1
+    finally:
+        asyncio.run(runtime.load_weights(tiny_model_path, 0))
+    assert record.versions == [0] * 4 + [1] * 6
+    assert record.finish_reason == ("stop" if record.token_ids[-1] in runtime.stop_token_ids else "length")
+    branch = trace.branches[0]
+    assert branch.token_ids[branch.sampled].tolist() == record.token_ids  # the env got the ids, not a re-rendering
+    np.testing.assert_array_equal(branch.logprobs[branch.sampled], np.float32(record.logprobs))
+    versions = np.array(record.versions)
+    for version, weights in ((0, tiny_model_path), (1, updated_dir)):
+        expected = trainer_logprobs(weights, branch.token_ids.tolist(), 1.3)[branch.sampled][versions == version]
+        np.testing.assert_allclose(branch.logprobs[branch.sampled][versions == version], expected, atol=2e-5, rtol=0)
+    other = trainer_logprobs(updated_dir, branch.token_ids.tolist(), 1.3)[branch.sampled][versions == 0]
+    assert np.abs(other - branch.logprobs[branch.sampled][versions == 0]).max() > 1e-3  # the versions differ
+
+
+def run_steps(config: Config, runtime, storage: RunStorage, steps, updated_dir: str, tiny_model_path: str) -> dict:
+    """play_partial_rollouts for each step, the runtime on weights v(step) (1 from step 3: the updated ones)."""
+    out = {}
+    for step in steps:
+        version = 1 if step >= 3 else 0
+        asyncio.run(runtime.load_weights(updated_dir if version else tiny_model_path, version))
+        out[step] = asyncio.run(play_partial_rollouts(config, {"policy": runtime}, step, storage))
+    asyncio.run(runtime.load_weights(tiny_model_path, 0))
+    return out
+
+
+def test_each_step_trains_batch_size_ended_groups_oldest_first_and_continues_the_rest(
+        stop_runtime, updated_dir, tiny_model_path, tmp_path):
+    config = partial_config(str(tmp_path), "steps", model={"name": tiny_model_path, "stop_tokens": STOP_TOKENS})
+    storage = RunStorage(config.storage, config.name)
+    steps = run_steps(config, stop_runtime, storage, (1, 2, 3, 4), updated_dir, tiny_model_path)
+    for step, (traces, summary) in steps.items():
+        groups = list(dict.fromkeys(t.group_id for t in traces))
+        assert len(groups) == 2 and len(traces) == 8, step  # batch_size groups of group_size, whole
+        origins = [int(g.split("-")[0][4:]) for g in groups]
+        assert origins == sorted(origins) and max(origins) <= step + 1
+        assert summary.in_flight == 16 - 8  # two steps of groups in the pool, one step's trained
+        for trace in traces:
+            (branch,) = trace.branches
+            assert trace.policy_step == branch.policy_versions.max()
+            assert (branch.policy_versions[branch.sampled] <= (1 if step >= 3 else 0)).all()
+    continued = [t for traces, _ in steps.values() for t in traces
+                 if len(set(t.branches[0].policy_versions[t.branches[0].sampled].tolist())) == 2]
+    assert continued, "no rollout was continued under newer weights: change the stop tokens or the seed"
+    assert sum(summary.carried_tokens for _, summary in steps.values()) > 0
+    # a step sampled again from the stored rollouts of the step before (a resume) samples the same traces
+    again = run_steps(config, stop_runtime, storage, (3, 4), updated_dir, tiny_model_path)
+    for step in (3, 4):
+        assert all(a.equals(b) for a, b in zip(again[step][0], steps[step][0]))
+        assert again[step][1] == steps[step][1]
+
+
+def test_a_missing_or_truncated_in_flight_store_is_refused_in_one_line(tmp_path):
+    storage = RunStorage(str(tmp_path), "run")
+    with pytest.raises(InFlightError, match=r"in_flight.json is missing: step 3 continues .*; restore it"):
+        read_in_flight(storage, 2)
+    storage.write_atomic(storage.step_path(2, "in_flight.json"), b'{"step": 2, "rollouts": [{"ori')
+    with pytest.raises(InFlightError) as refused:
+        read_in_flight(storage, 2)
+    assert "\n" not in str(refused.value) and "is not an in-flight store" in str(refused.value)
+    assert read_in_flight(storage, 0) == []
+
+
+def aged_trace(trace_id: str, versions: list[int]):
+    branch = make_branch(n=3 + len(versions))
+    branch.policy_versions = np.array([-1, -1, -1, *versions], np.int32)
+    return make_trace(trace_id, branches=[branch], policy_step=max(versions))
+
+
+def test_tokens_older_than_max_off_policy_steps_are_masked_or_their_rollout_dropped():
+    # step 6 with k = 1 samples with v(6) = 4: tokens of weights 3 and newer train, older ones are stale
+    fresh, carried, stale = aged_trace("fresh", [4, 4]), aged_trace("carried", [3, 4]), aged_trace("stale", [2, 3])
+    # ages 6 - 1 - v: 1, 1 | 2, 1 | 3, 2
+    assert age_metrics([fresh, carried, stale], 6) == {"async/token_age_mean": 10 / 6, "async/token_age_max": 3.0}
+    samples = [
+        TrainingSample(trace_id=t.id, branch_index=0, env="e", input_ids=b.token_ids, temperature=1.0,
+                       sampled=b.sampled, inference_logprobs=b.logprobs, rl_values=np.ones(len(b), np.float32),
+                       rl_mask=b.sampled, ce_values=np.zeros(len(b), np.float32), ce_mask=np.zeros(len(b), bool),
+                       policy_versions=b.policy_versions)
+        for t in (fresh, carried, stale) for b in t.branches
+    ]
+    channel_mask = samples[2].rl_mask
+    assert mask_stale(samples, 6, 1) == 1
+    assert [s.rl_mask[3:].tolist() for s in samples] == [[True, True], [True, True], [False, True]]
+    assert channel_mask.tolist() == [False, False, False, True, True]  # the channel's own array is left as it was
+    assert drop_stale([[fresh], [carried], [stale]], 6, 1) == 1
+    assert [t.error is None for t in (fresh, carried, stale)] == [True, True, False]
+    assert stale.error.startswith("dropped for age")
+    assert mask_stale(samples, 6, 2) == 0  # k = 2: weights 1 and newer train
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 0}},
+     "async.partial_rollout_tokens: Input should be greater than or equal to 1"),
+    ({"async": {"partial_rollout_tokens": 4}}, "set async.max_off_policy_steps >= 1"),
+    ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
+      "env": [{"id": "alphabet-sort", "batch_size": 2, "group_size": 2}]},
+     "env.0: async.partial_rollout_tokens continues single-turn envs only (env 'alphabet-sort' is not one"),
+    ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4}, "sampling": {"stop": ["\n"]}},
+     "env.0 sampling.stop: a stop string may span a cut"),
+])
+def test_partial_rollouts_it_cannot_continue_are_refused_in_one_line(tmp_path, change, problem):
+    with pytest.raises(ConfigError) as refused:
+        check_config(parse_config(small_config(str(tmp_path), "refused", **change)))
+    assert any(problem in line and "\n" not in line for line in refused.value.problems), refused.value.problems
