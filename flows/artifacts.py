@@ -8,6 +8,7 @@ import io
 import re
 
 from prefect.artifacts import (
+    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -15,6 +16,7 @@ from prefect.artifacts import (
 )
 
 from trace_rl.config import Config
+from trace_rl.offline.episodes_html import write_episodes_page
 from trace_rl.storage import RunStorage, step_name
 
 TABLE_COLUMNS = ("reward_mean", "batch/tokens", "batch/rl_tokens", "batch/ce_tokens", "train/loss/rl",
@@ -86,12 +88,19 @@ def publish(config: Config, rows: list[dict], plot: bool = True) -> None:
 
 def publish_rollouts(config: Config, step: int, rows: list[dict]) -> None:
     """The step's table of a few rollouts (`[prefect.rollouts]`; the `aggregate_channels` stage chose them) under the
-    run's key `<name>-rollouts`: one version per step, each in its step's flow run."""
-    if not rows:
+    run's key `<name>-rollouts`, and a link to the page of all its episodes (`steps/<step>/episodes.html`, written
+    here) under `<name>-episodes`: one version of each per step, in its step's flow run."""
+    if config.prefect.rollouts.count == 0:
         return
-    rows = [{column: as_markdown_text(value) for column, value in row.items()} for row in rows]
-    create_table_artifact(key=artifact_key(config, "rollouts"), table=rows,
-                          description=f"{config.name}: {len(rows)} rollouts of step {step} ({config.prefect.rollouts.select})")
+    if rows:
+        rows = [{column: as_markdown_text(value) for column, value in row.items()} for row in rows]
+        create_table_artifact(key=artifact_key(config, "rollouts"), table=rows,
+                              description=f"{config.name}: {len(rows)} rollouts of step {step} "
+                                          f"({config.prefect.rollouts.select})")
+    page = write_episodes_page(config, step)
+    link = f"file://{page}" if "://" not in page else page
+    create_link_artifact(link=link, link_text=f"episodes of step {step}", key=artifact_key(config, "episodes"),
+                         description=f"{config.name}: every episode of step {step}, token by token")
 
 
 def as_markdown_text(value):

@@ -228,6 +228,20 @@ def cmd_export_traces(args) -> int:
     return 0
 
 
+def cmd_view(args) -> int:
+    from trace_rl.offline.episodes_html import write_episodes_page
+    from trace_rl.offline.replay import saved_steps, source_config
+    from trace_rl.storage import RunStorage
+
+    config = source_config(args.run, flag="RUN")
+    saved = saved_steps(RunStorage.of(config))
+    if args.step not in saved:
+        raise RefusedError(f"--step {args.step}: {args.run} has no saved traces of that step (saved: "
+                           f"{', '.join(map(str, saved)) or 'none'})")
+    print(f"wrote {write_episodes_page(config, args.step)}")
+    return 0
+
+
 def cmd_config_schema(args) -> int:
     print(json.dumps(Config.model_json_schema(), indent=2))
     return 0
@@ -342,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
                                help="the records file: JSON lines, or msgpack if it ends in .msgpack")
     export_traces.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     export_traces.set_defaults(func=cmd_export_traces)
+
+    view = sub.add_parser("view", help="write a step's episodes as a web page beside it (steps/<step>/episodes.html)")
+    view.add_argument("run", help="the run: <storage>/<name>")
+    view.add_argument("--step", type=int, required=True, help="the step whose episodes to show")
+    view.set_defaults(func=cmd_view)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])

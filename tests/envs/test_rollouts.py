@@ -112,17 +112,21 @@ def test_other_errors_mark_traces_and_failed_groups_are_reported(hf_runtime, cap
 
 
 class TwinAgents(Environment):
-    """A buggy two-agent env: both agents' traces are named 'policy-agent'."""
+    """A two-play env: one agent, 'policy-agent', plays twice a rollout (best-of-n); `third` adds an agent named
+    like its second play."""
+
+    class Args(BaseModel):
+        third: str | None = None
 
     def make_example(self, rng):
         return {}
 
     async def rollout(self, example, sampler):
         traces = []
-        for agent in range(2):
+        for agent, name in enumerate(["policy-agent", "policy-agent", *([self.args.third] if self.args.third else [])]):
             conversation = sampler.conversation([Message(role="user", content="hi")], agent=agent)
             await conversation.sample()
-            traces.append(self.trace(example, conversation))
+            traces.append(self.trace(example, conversation, agent=name))
         return traces
 
 
@@ -159,10 +163,15 @@ def env_config(env_class, batch_size=2, group_size=4, **fields) -> Config:
                         **fields}])
 
 
-def test_two_traces_of_one_agent_in_a_rollout_are_an_error_naming_the_env_and_ids(hf_runtime):
-    config = env_config(TwinAgents, batch_size=1, group_size=1)
-    with pytest.raises(TraceError, match=rf"env '{__name__}:TwinAgents' returned several traces of one agent in one "
-                                         r"rollout \(trace ids 'step1-.*-r0-policy-agent'\); give each agent"):
+def test_an_agent_that_plays_twice_in_a_rollout_gets_numbered_ids_and_colliding_ids_are_an_error(hf_runtime):
+    traces, _ = run(env_config(TwinAgents, batch_size=1, group_size=2), hf_runtime, step=1)
+    group = traces[0].group_id
+    assert [t.id for t in traces] == [f"{group}-r0-policy-agent", f"{group}-r0-policy-agent-1",
+                                      f"{group}-r1-policy-agent", f"{group}-r1-policy-agent-1"]
+    assert {t.agent for t in traces} == {"policy-agent"}
+    config = env_config(TwinAgents, batch_size=1, group_size=1, args={"third": "policy-agent-1"})
+    with pytest.raises(TraceError, match=rf"env '{__name__}:TwinAgents' returned traces whose ids collide in one "
+                                         r"rollout \(trace ids 'step1-.*-r0-policy-agent-1'\).*rename that agent"):
         run(config, hf_runtime, step=1)
 
 

@@ -82,17 +82,21 @@ def test_policy_versions_show_the_span_of_a_continued_rollout():
     assert (row["policy_step"], row["policy_versions"]) == (3, "2..3")
 
 
-def test_the_last_turn_and_the_message_it_answered_with_tool_calls():
+def test_the_last_turn_and_the_tool_calls_and_results_it_made_and_answered():
     trace = make_trace("multi", [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "name": "forecast", "arguments": {"city": "Oslo"}}]},
-        {"role": "tool", "content": "rain", "name": "forecast"}, {"role": "assistant", "content": "Rain."},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "1", "name": "forecast", "arguments": {"city": "Oslo"}},
+            {"id": "2", "name": "forecast", "arguments": {"city": "Bergen"}}]},
+        {"role": "tool", "content": "rain", "name": "forecast", "tool_call_id": "1"},
+        {"role": "tool", "content": "sun", "tool_call_id": "2"}, {"role": "assistant", "content": "Mixed."},
         {"role": "user", "content": "thanks"}], [chat_branch([(1, 2, False), (2, 2, True)])], reward=1.0)
     (row,) = rollout_rows(config(count=1), 1, [trace], [])
-    assert (row["prompt"], row["completion"]) == ("rain", "Rain.")
+    assert (row["prompt"], row["completion"]) == ("[tool result] forecast: rain\n[tool result]: sun", "Mixed.")
     trace.messages = trace.messages[:3]
     (row,) = rollout_rows(config(count=1), 1, [trace], [])
-    assert (row["prompt"], row["completion"]) == ("weather?", '[tool call] forecast {"city": "Oslo"}')
+    assert (row["prompt"], row["completion"]) == (
+        "weather?", 'Checking.\n[tool call] forecast {"city": "Oslo"}\n[tool call] forecast {"city": "Bergen"}')
 
 
 def test_long_texts_are_cut_in_the_middle_to_max_chars():

@@ -12,6 +12,7 @@ from typing import Any
 # the builtins: importing each registers its ids
 import trace_rl.algorithms.distill  # noqa: F401
 import trace_rl.algorithms.echo  # noqa: F401
+import trace_rl.algorithms.hierarchical  # noqa: F401
 import trace_rl.algorithms.rae  # noqa: F401
 import trace_rl.algorithms.reward  # noqa: F401
 import trace_rl.algorithms.sft  # noqa: F401

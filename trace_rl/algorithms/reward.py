@@ -11,7 +11,7 @@ from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.options import NoOptions
 from trace_rl.algorithms.registry import ALGORITHMS, register_algorithm
 from trace_rl.algorithms.signal import ok_traces, sampled_mask, set_on_sampled
-from trace_rl.data.trace import Trace, group_traces
+from trace_rl.data.trace import Trace
 
 StdKind = Literal["unbiased", "population"]
 
@@ -74,8 +74,19 @@ def max_likelihood_normalized(rewards: np.ndarray) -> np.ndarray:
     return (rewards - mu) / mu if mu > 0 else np.zeros_like(rewards)
 
 
+def seat_groups(traces: list[Trace]) -> list[list[Trace]]:
+    """The traces by (group, agent), in first-seen order: what a group baseline compares. Each seat of a
+    several-agent env gets its own baseline: the two seats of a zero-sum game, pooled, would always average 0 and
+    leave every advantage the raw payoff. A single-agent env's are its groups."""
+    seats: dict[tuple[str, str], list[Trace]] = {}
+    for trace in traces:
+        seats.setdefault((trace.group_id, trace.agent), []).append(trace)
+    return list(seats.values())
+
+
 class GroupBaseline(Algorithm):
-    """An algorithm whose baseline is the mean of the group: a group of one rollout gets advantage 0 everywhere."""
+    """An algorithm whose baseline is the mean of the group, per seat (`seat_groups`): a group of one rollout gets
+    advantage 0 everywhere."""
 
     @classmethod
     def check_config(cls, options: BaseModel, run_config: Any) -> list[str]:
@@ -142,7 +153,8 @@ class GRPOOptions(RewardOptions):
 
 @register_algorithm("grpo")
 class GRPO(GroupBaseline):
-    """A_i = (r_i - mean_group(r)) / scale on trace i's sampled tokens.
+    """A_i = (r_i - mean_group(r)) / scale on trace i's sampled tokens, the group being one task's traces of one
+    seat (`seat_groups`).
 
     `scale`: `none` (the default; Dr. GRPO, arXiv 2503.20783) divides by 1; `group` by the group's
     std + 1e-6 (GRPO, arXiv 2402.03300; `std_normalize = true`); `batch` by the std of the whole
@@ -163,34 +175,32 @@ class GRPO(GroupBaseline):
         if not traces:
             return
         mode = self.options.scale_mode
-        if mode != "batch":
-            set_trace_advantages(traces, group_relative(shaped_rewards(traces, self.options), mode == "group",
-                                                        self.options.std))
-            return
-        std = spread(shaped_rewards(traces, self.options), self.options.std)
-        for group in group_traces(traces).values():
-            rewards = shaped_rewards(group, self.options)
-            set_trace_advantages(group, (rewards - rewards.mean()) / (std + 1e-6))
+        step_std = spread(shaped_rewards(traces, self.options), self.options.std) if mode == "batch" else 0.0
+        for seat in seat_groups(traces):
+            rewards = shaped_rewards(seat, self.options)
+            if mode == "batch":
+                set_trace_advantages(seat, (rewards - rewards.mean()) / (step_std + 1e-6))
+            else:
+                set_trace_advantages(seat, group_relative(rewards, mode == "group", self.options.std))
 
 
 @register_algorithm("rloo")
 class RLOO(GroupBaseline):
-    """A_i = r_i - mean_{j != i} r_j over the group's ok traces (`leave_one_out`)."""
+    """A_i = r_i - mean_{j != i} r_j over the ok traces of the group's seat (`leave_one_out`, `seat_groups`)."""
 
     loss = "rl"
     Options = RewardOptions
 
     async def advantage(self, traces: list[Trace]) -> None:
-        traces = ok_traces(traces)
-        if traces:
-            set_trace_advantages(traces, leave_one_out(shaped_rewards(traces, self.options)))
+        for seat in seat_groups(ok_traces(traces)):
+            set_trace_advantages(seat, leave_one_out(shaped_rewards(seat, self.options)))
 
 
 @register_algorithm("reinforce_pp")
 class ReinforcePlusPlus(GroupBaseline):
     """REINFORCE++ with the group-mean baseline (Hu 2025, arXiv 2501.03262; verl's reinforce_plus_plus_baseline):
-    A_i = r_i - mean_group(r), then whitened over the step's rl tokens (`whitened`, each trace counted once
-    per sampled token). It needs the whole step (`whole_step`)."""
+    A_i = r_i - mean_group(r) (per seat, `seat_groups`), then whitened over the step's rl tokens (`whitened`, each
+    trace counted once per sampled token). It needs the whole step (`whole_step`)."""
 
     loss = "rl"
     Options = RewardOptions
@@ -200,16 +210,16 @@ class ReinforcePlusPlus(GroupBaseline):
         traces = ok_traces(traces)
         if not traces:
             return
-        ordered = [t for group in group_traces(traces).values() for t in group]
-        centred = np.concatenate([group_relative(shaped_rewards(g, self.options), False)
-                                  for g in group_traces(traces).values()])
+        seats = seat_groups(traces)
+        ordered = [t for seat in seats for t in seat]
+        centred = np.concatenate([group_relative(shaped_rewards(seat, self.options), False) for seat in seats])
         tokens = np.array([sampled_tokens(t) for t in ordered], np.float64)
         set_trace_advantages(ordered, whitened(centred, tokens))
 
 
 @register_algorithm("max_rl")
 class MaxRL(GroupBaseline):
-    """A_i = (r_i - mu) / mu when mu > 0, else 0; mu the mean reward of the group's ok traces.
+    """A_i = (r_i - mu) / mu when mu > 0, else 0; mu the mean reward of the ok traces of the group's seat.
 
     Rewards must be non-negative (they are read as success probabilities).
     """
@@ -225,9 +235,8 @@ class MaxRL(GroupBaseline):
                     f"max_rl needs non-negative rewards, but trace {trace.id!r} (env {trace.env!r}) has reward "
                     f"{trace.reward}; use grpo or rl for signed rewards"
                 )
-        if traces:
-            rewards = np.array([t.reward for t in traces], np.float64)
-            set_trace_advantages(traces, max_likelihood_normalized(rewards))
+        for seat in seat_groups(traces):
+            set_trace_advantages(seat, max_likelihood_normalized(np.array([t.reward for t in seat], np.float64)))
 
 
 @register_algorithm("rl")

@@ -230,6 +230,20 @@ def _branch_from_dict(data: dict[str, Any]) -> Branch:
     return Branch(**data)
 
 
+def rollout_trace_id(group_id: str, rollout: int, agent: str, repeat: int = 0) -> str:
+    """The id the rollout loop gives a trace: `<group_id>-r<rollout>-<agent>`, then `-<repeat>` for the agent's
+    further traces of one rollout (repeat 1, 2, ...: a seat that plays several times, as a proposer's solvers)."""
+    return f"{group_id}-r{rollout}-{agent}" + (f"-{repeat}" if repeat else "")
+
+
+def rollout_of(trace: Trace) -> str | None:
+    """`<group_id>-r<rollout>`: the rollout (episode) a trace came from, read from its id (`rollout_trace_id`);
+    None for a trace whose id the rollout loop did not build (replayed records)."""
+    prefix = f"{trace.group_id}-r"
+    number, dash, _ = trace.id.removeprefix(prefix).partition("-")
+    return f"{prefix}{number}" if trace.id.startswith(prefix) and number.isdecimal() and dash else None
+
+
 def group_traces(traces: list[Trace]) -> dict[str, list[Trace]]:
     """Traces by `group_id`, in first-seen order (a group: all rollouts of one example of one env)."""
     groups: dict[str, list[Trace]] = {}

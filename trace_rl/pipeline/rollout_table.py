@@ -9,7 +9,8 @@ The random choices are seeded by (run seed, step), so a step shows the same roll
 Each row: env, example, the policy step whose weights sampled it, the span of its sampled tokens' versions
 (`policy_versions`: "3", or "2..3" for a rollout continued across steps under newer weights), the reward, the advantage (the mean `rl` value
 over the trace's trained tokens, every `rl` channel summed as the trainer sees it; empty when no `rl` channel
-trained the trace), the message the model answered (the one before its last turn) and that last turn.
+trained the trace), the message the model answered (the one before its last turn; the tool results it answered,
+marked `[tool result]`) and that last turn (its tool calls marked `[tool call]`).
 Texts longer than `max_chars` are cut in the middle (how an answer starts and how it ends both tell), and every
 secret the run knows of (`known_secrets`) is replaced by `[secret]` before the cut.
 """
@@ -112,13 +113,20 @@ def version_span(trace: Trace) -> str:
 
 
 def last_exchange(messages: list[Message]) -> tuple[str, str]:
-    """(the message before the model's last turn, that turn); a turn's tool calls follow its text."""
+    """(what the model answered in its last turn, that turn). What it answered is the message before the turn, or,
+    when the turn answers tool results, every tool result since its previous turn, each marked `[tool result]` with
+    its tool's name; a turn's tool calls follow its text, each marked `[tool call]` with its name and arguments."""
     last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
     if last is None:
         return (messages[-1].content if messages else ""), ""
     turn = messages[last]
     calls = [f"[tool call] {call.name} {json.dumps(call.arguments)}" for call in turn.tool_calls or []]
-    return (messages[last - 1].content if last else ""), "\n".join([turn.content, *calls]).strip()
+    first = last
+    while first and messages[first - 1].role == "tool":
+        first -= 1
+    results = [f"[tool result]{f' {m.name}' if m.name else ''}: {m.content}" for m in messages[first:last]]
+    answered = "\n".join(results) if results else (messages[last - 1].content if last else "")
+    return answered, "\n".join([turn.content, *calls]).strip()
 
 
 def shown(text: str, max_chars: int, secrets: Iterable[str]) -> str:

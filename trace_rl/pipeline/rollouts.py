@@ -13,8 +13,9 @@ With `[[env]] drop_uniform_groups`, the env's groups whose rewards are all equal
 algorithms, and `refill_rounds` more rounds of fresh groups, seeded by (step, round), refill the batch
 (`dynamic_sampling`; docs/algorithms.md).
 
-Every trace id is unique: an env that returns two traces of one agent in a rollout, or the same
-example id twice in a step, raises `TraceError` instead of having their traces merged.
+Every trace id is unique: an agent's further traces of one rollout (a seat played several times) are numbered
+(`rollout_trace_id`); ids that still collide, or the same example id twice in a step, raise `TraceError` instead of
+having their traces merged.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pydantic import BaseModel
 
 from trace_rl.aio import gather_or_cancel
 from trace_rl.config import Config
-from trace_rl.data.trace import Trace, TraceError, group_traces
+from trace_rl.data.trace import Trace, TraceError, group_traces, rollout_trace_id
 from trace_rl.envs.base import Environment, Example, Sampler, derive_seed
 from trace_rl.envs.lookup import load_env
 from trace_rl.errors import FatalError, RetryableError
@@ -173,12 +174,14 @@ async def play_rollouts(
 
 def label(traces: list[Trace], env_id: str, name: str, group_id: str, rollout: int, policy_step: int) -> None:
     """Fill in what the rollout loop owns: env, group and trace ids, the sampling weights and each branch's
-    per-token versions (where the rollout did not record them: `policy_step`). TraceError when two traces of the
-    rollout share an agent."""
+    per-token versions (where the rollout did not record them: `policy_step`). An agent's further traces of the
+    rollout are numbered (`rollout_trace_id`); TraceError when two ids still collide."""
+    plays: dict[str, int] = {}
     for trace in traces:
         trace.env = env_id
         trace.group_id = group_id
-        trace.id = f"{group_id}-r{rollout}-{trace.agent}"
+        trace.id = rollout_trace_id(group_id, rollout, trace.agent, plays.get(trace.agent, 0))
+        plays[trace.agent] = plays.get(trace.agent, 0) + 1
         trace.policy_step = policy_step
         for branch in trace.branches:
             branch.policy_versions = branch.versions_or(policy_step)
@@ -186,8 +189,9 @@ def label(traces: list[Trace], env_id: str, name: str, group_id: str, rollout: i
     if len(set(ids)) < len(ids):
         twice = sorted({i for i in ids if ids.count(i) > 1})
         raise TraceError(
-            f"env {name!r} returned several traces of one agent in one rollout (trace ids "
-            f"{', '.join(map(repr, twice))}); give each agent of a rollout its own `agent` name"
+            f"env {name!r} returned traces whose ids collide in one rollout (trace ids "
+            f"{', '.join(map(repr, twice))}): an agent named like another's further play (`<agent>-<n>`); "
+            "rename that agent"
         )
 
 
