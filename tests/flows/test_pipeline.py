@@ -88,6 +88,8 @@ def test_the_ui_shows_each_steps_progress_line_and_a_table_of_its_rollouts(prefe
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[train_run.id])))
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ordered-rollouts"])),
                                           sort=ArtifactSort.CREATED_DESC)[::-1]
+        pages = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ordered-episodes"])),
+                                      sort=ArtifactSort.CREATED_DESC)[::-1]
     lines = [log.message for log in logs if log.message.startswith("step ")]
     assert len(lines) == 2, [log.message for log in logs]
     for step, line in enumerate(lines, start=1):
@@ -103,6 +105,11 @@ def test_the_ui_shows_each_steps_progress_line_and_a_table_of_its_rollouts(prefe
 
     steps = step_runs(prefect_api, "ordered")
     assert [a.flow_run_id for a in artifacts] == [UUID(run["id"]) for run in steps]
+    # each step links the page of its episodes (`trace-rl view`), written beside the step
+    assert [a.flow_run_id for a in pages] == [UUID(run["id"]) for run in steps]
+    for step, page in enumerate(pages, start=1):
+        assert page.type == "markdown" and f"(file://{storage.step_path(step, 'episodes.html')})" in page.data
+        assert storage.read_bytes(storage.step_path(step, "episodes.html")).decode().count("<section") == 8
     for step, artifact in enumerate(artifacts, start=1):
         cells = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
         # the UI renders cells as Markdown: their punctuation comes backslash-escaped, so that it shows as written

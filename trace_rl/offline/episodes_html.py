@@ -44,7 +44,7 @@ body { font-family: sans-serif; margin: 1.5em; max-width: 70em; }
 .episode h2 { font-size: 1em; margin: 0.2em 0; }
 .error { color: #a00; }
 .message { margin: 0.4em 0; padding: 0.3em 0.6em; border-left: 4px solid #999; white-space: pre-wrap; }
-.role { font-weight: bold; font-size: 0.8em; text-transform: uppercase; display: block; }
+.role { font-weight: bold; font-size: 0.8em; display: block; }
 .role-system { border-color: #777; background: #f4f4f4; }
 .role-user { border-color: #36c; background: #eef3fc; }
 .role-assistant { border-color: #393; background: #effaef; }
@@ -140,7 +140,8 @@ def tokens_html(branch: Branch, signal: dict[str, tuple], token_text: Callable[[
     spans = []
     for t, token in enumerate(branch.token_ids.tolist()):
         trained = bool(rl_mask[t] or ce_mask[t])
-        hover = [f"token {token}"]
+        owner = int(branch.message_index[t])
+        hover = [f"token {token}" + (f" of message {owner}" if owner >= 0 else " (template)")]
         if rl_mask[t]:
             hover.append(f"advantage {float(rl[t]):.4g}")
         if ce_mask[t]:
