@@ -173,6 +173,10 @@ class EnvConfig(Strict):
     import_paths: list[str] = Field(
         default_factory=list, description="folders (relative to the working directory) put on sys.path before the "
         "env loads, where the modules it names live (e.g. a verifiers taskset module)")
+    select: dict[str, Any] | None = Field(
+        None, description="id 'verifiers' only: which of the taskset's tasks the env uses, as verifiers' own "
+        "SelectConfig (`vf-eval --select.*`): include / exclude (idx ranges such as [\"0:100\"], ids, keys, names), "
+        "shuffle, seed, skip, limit (docs/envs.md#verifiers)")
     sampling: SamplingConfig | None = Field(None, description="replaces [sampling] for this env")
     max_error_fraction: float = Field(
         0.5, ge=0, le=1, description="the step fails, showing the first errors, when more than this fraction of "
@@ -192,6 +196,13 @@ class EnvConfig(Strict):
         if self.drop_uniform_groups and self.group_size == 1:
             raise ValueError("drop_uniform_groups with group_size = 1 drops every group (one reward is always "
                              "uniform); raise group_size")
+        return self
+
+    @model_validator(mode="after")
+    def _select_is_verifiers(self) -> EnvConfig:
+        if self.select is not None and self.id != "verifiers":
+            raise ValueError(f"select picks a verifiers taskset's tasks, and env {self.id!r} is no verifiers env; "
+                             "remove select")
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ import trace_rl.envs.reverse_text  # noqa: F401
 import trace_rl.envs.verifiers  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS
+from trace_rl.envs.verifiers import VerifiersEnv
 from trace_rl.envs.verifiers_remote import VerifiersRemoteEnv
 
 
@@ -50,11 +51,14 @@ def add_import_paths(paths: Sequence[str]) -> None:
 
 
 def load_env(env_id: str, args: Mapping[str, Any] | None = None, import_paths: Sequence[str] = (),
-             verifiers_server: str | None = None) -> Environment:
-    """The env; with `verifiers_server` (an `EnvConfig.verifiers_server`) the verifiers env played on it."""
+             verifiers_server: str | None = None, select: Mapping[str, Any] | None = None) -> Environment:
+    """The env; with `verifiers_server` (an `EnvConfig.verifiers_server`) the verifiers env played on it; `select`
+    (`EnvConfig.select`, a verifiers env's only) the tasks it picks."""
     add_import_paths(import_paths)
     if verifiers_server is not None:
-        return VerifiersRemoteEnv(args, verifiers_server)
+        return VerifiersRemoteEnv(args, dict(select) if select is not None else None, server=verifiers_server)
+    if select is not None:
+        return VerifiersEnv(args, dict(select))
     return resolve_env_class(env_id)(args)
 
 
@@ -66,14 +70,15 @@ def check_envs(config) -> list[str]:
         where += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
     problems = []
     for name, env in where:
-        problems += check_env(name, env.id, env.args, env.import_paths, env.verifiers_server)
+        problems += check_env(name, env.id, env.args, env.import_paths, env.verifiers_server, env.select)
     return problems
 
 
 def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Sequence[str] = (),
-              verifiers_server: str | None = None) -> list[str]:
+              verifiers_server: str | None = None, select: Mapping[str, Any] | None = None) -> list[str]:
     """The problems of one env entry: existing `import_paths`, a known id and valid `args` (also run on the entries
-    of a config whose schema failed, `trace_rl.runs.loading`); with `verifiers_server`, as the env it plays."""
+    of a config whose schema failed, `trace_rl.runs.loading`); with `verifiers_server`, as the env it plays; with
+    `select`, the tasks it picks (a verifiers env's)."""
     missing = [path for path in import_paths if not os.path.isdir(path)]
     if missing:
         return [f"{where}.import_paths: {missing[0]!r} is not a folder (relative to the working directory "
@@ -82,6 +87,10 @@ def check_env(where: str, env_id: str, args: Mapping[str, Any], import_paths: Se
     try:
         cls = VerifiersRemoteEnv if verifiers_server is not None else resolve_env_class(env_id)
         options = validate_args(cls, dict(args))
+        if select is not None and issubclass(cls, VerifiersEnv):
+            problems = cls.selection_problems(options.model_dump(), dict(select))
+        else:
+            problems = cls.check_config(options)
     except EnvError as exc:
         return [f"{where}: {exc}"]
-    return [f"{where}: {problem}" for problem in cls.check_config(options)]
+    return [f"{where}: {problem}" for problem in problems]

@@ -8,15 +8,20 @@ names no harness, of a taskset that bundles none, plays on trace-rl's in-process
 runs as verifiers runs it, in its runtime. Every turn the policy takes is sampled by the rollout's `Sampler`
 (`trace_rl.verifiers.client`), so the run's [sampling], weights, LoRA adapter and broadcast apply as for any env.
 
-Each step walks the taskset's tasks epoch by epoch, in an order seeded by (run seed, env index, epoch); a rollout
-plays one episode of its task (`Env.run_slot`) and returns its traces (`trace_rl.verifiers.convert`). An episode
-that failed is a failed rollout, with verifiers' error.
+`[[env]] select` picks the tasks with verifiers' own `SelectConfig` (`Taskset.select`, as `vf-eval --select.*`).
+A bounded selection (a finite taskset, or an infinite one cut by closed `include.idx` ranges or a `limit`) is
+walked epoch by epoch, in an order seeded by (run seed, env index, epoch). An unbounded one (an infinite taskset,
+`INFINITE = True`, without such a bound) is a stream: step s takes the tasks at positions (s - 1) * batch_size ...
+s * batch_size - 1 of it, so a resumed run takes the tasks it would have taken (the stream itself is the taskset's,
+deterministic by its own seed). A rollout plays one episode of its task (`Env.run_slot`) and returns its traces
+(`trace_rl.verifiers.convert`). An episode that failed is a failed rollout, with verifiers' error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import shutil
@@ -33,6 +38,8 @@ from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models.runtime import Generation
 
 # what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
+# `examples(seed, count)` of a stream (refill rounds): `count` tasks from position seed mod this
+STREAM_DRAW_SPAN = 10_000
 RUNTIME_NEEDS = {
     "docker": ("docker", "/var/run/docker.sock", None), "podman": ("podman", None, None),
     "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
@@ -88,8 +95,11 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
                                "(or [env.sampling]); move the values there")
             if "harness" not in seat and field.default.harness is None and not bundled:
                 seat["harness"] = {"id": HARNESS_ID}
-                seat.setdefault("runtime", {"type": "subprocess"})
-                data[name] = seat
+            harness = seat.get("harness", field.default.harness)
+            harness_id = harness.get("id") if isinstance(harness, dict) else getattr(harness, "id", None)
+            if harness_id == HARNESS_ID and "runtime" not in seat:  # it runs nothing: no sandbox needed
+                seat["runtime"] = {"type": "subprocess"}
+            data[name] = seat
         config = vf.resolve_env_config(data)
     except EnvError:
         raise
@@ -148,7 +158,8 @@ def check_runtimes(config, own_harness: str) -> None:
         if lacking:
             raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {seat.runtime.type!r} "
                            f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
-                           f"(args.{name}.runtime) or leave its harness unset for trace-rl's chat harness")
+                           f"(args.{name}.runtime) or trace-rl's chat harness (args.{name}.harness = "
+                           f"{{ id = \"{own_harness}\" }})")
 
 
 class RolloutModel:
@@ -210,25 +221,83 @@ class Serving:
                 await asyncio.gather(holder, return_exceptions=True)
 
 
+def select_config(select: dict[str, Any]):
+    """verifiers' `SelectConfig` of `[[env]] select`; an EnvError naming the key when verifiers refuses it."""
+    vf = verifiers_module()
+    try:
+        return vf.SelectConfig.model_validate(select)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise EnvError(f"env 'verifiers': select.{where}: {problem['msg']} (verifiers' SelectConfig)") from None
+
+
+def selected(taskset, select, taskset_id: str):
+    """The view of `taskset` that `select` (a SelectConfig, or None: every task) picks, as verifiers picks it; an
+    EnvError in trace-rl's keys when verifiers refuses (a shuffle of an unbounded taskset, ...)."""
+    if select is None:
+        return taskset
+    if select.shuffle and not taskset.select(select.model_copy(update={"shuffle": False, "skip": 0,
+                                                                       "limit": None})).bounded:
+        raise EnvError(f"env 'verifiers': select.shuffle: taskset {taskset_id!r} is infinite and a shuffle needs "
+                       "every task: bound the selection with closed ranges first (select.include = { idx = "
+                       "[\"0:1000\"] }; limit applies after the shuffle), or leave shuffle out to stream the tasks")
+    try:
+        return taskset.select(select)
+    except ValueError as exc:
+        raise EnvError(f"env 'verifiers': select: taskset {taskset_id!r}: "
+                       f"{first_line(exc).replace('--select.', 'select.')}") from None
+
+
+def check_tools(env) -> None:
+    """Every seat's harness can serve the tools the taskset's tasks and the taskset itself declare (and its task
+    and runtime fit), as verifiers checks each run (`validate_pairing`); an EnvError naming the seat."""
+    from verifiers.v1.utils.compile import validate_pairing
+
+    task_type = type(env.taskset).task_type()
+    tools = [*task_type.toolsets(env.taskset.config.task), *env.taskset.toolsets(env.taskset.config)]
+    for name, seat in env._agent_specs.items():
+        try:
+            validate_pairing(env._harnesses[name], task_type, seat.runtime, tools=tools)
+        except ValueError as exc:
+            raise EnvError(f"env 'verifiers': args.{name}: {first_line(exc).replace('--env.', 'args.')}") from None
+
+
 @register_env("verifiers")
 class VerifiersEnv(Environment):
     Options = VerifiersOptions
     plays_here = True  # the episodes play in this process, in the runtimes of this machine
 
-    def __init__(self, args=None):
+    def __init__(self, args=None, select: dict[str, Any] | None = None):
         super().__init__(args)
         self.config = env_config(self.args.model_dump(), self.plays_here)
+        self.select = None if select is None else select_config(select)
         self._env = None
+        self._view = None
         self._tasks: list | None = None
+        self._streamed: dict[int, Any] = {}
         self._serving: Serving | None = None
 
     @classmethod
     def check_config(cls, options: BaseModel) -> list[str]:
+        return cls.selection_problems(options.model_dump(), None)
+
+    @classmethod
+    def selection_problems(cls, args: dict[str, Any], select: dict[str, Any] | None) -> list[str]:
+        """What step 1 would refuse, found by loading the env as a step does: verifiers' refusal of `[env.args]`
+        or `select`, a runtime this machine lacks, a harness that cannot run the taskset's tools, a selection
+        that verifiers cannot make (a shuffle of an unbounded taskset) or that picks no task."""
         try:
-            env_config(options.model_dump(), cls.plays_here)
+            env = cls(args, select)
+            env.check_loaded()
+            if env.bounded:
+                env.tasks  # noqa: B018 - refuses a selection of no task
         except EnvError as exc:
             return [str(exc)]
         return []
+
+    def check_loaded(self) -> None:
+        check_tools(self.vf_env)
 
     @property
     def vf_env(self):
@@ -248,17 +317,38 @@ class VerifiersEnv(Environment):
         """The verifiers taskset the tasks come from: the loaded env's."""
         return self.vf_env.taskset
 
+    def view(self):
+        """The taskset as `[[env]] select` picks it."""
+        if self._view is None:
+            self._view = selected(self.taskset(), self.select, self.config.taskset.id)
+        return self._view
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the selected tasks end (else they are a stream)."""
+        return self.view().bounded
+
     @property
     def tasks(self) -> list:
+        """Every selected task, of a bounded selection."""
         if self._tasks is None:
-            taskset = self.taskset()
-            if not taskset.bounded:
-                raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} is infinite; bound it in "
-                               "args.taskset (its own options) or use a finite taskset")
-            self._tasks = list(taskset)
+            self._tasks = list(self.view())
             if not self._tasks:
-                raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} has no tasks")
+                raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} has no tasks"
+                               + (" that select picks" if self.select is not None else ""))
         return self._tasks
+
+    def streamed(self, start: int, count: int) -> list[Example]:
+        """The stream's tasks at positions start ... start + count - 1, as examples `task<position>`."""
+        tasks = list(itertools.islice(self.view(), start, start + count))
+        if len(tasks) < count:
+            raise EnvError(f"env 'verifiers': the stream of taskset {self.config.taskset.id!r} ended at position "
+                           f"{start + len(tasks)}; it is not infinite: bound it with select.limit")
+        self._streamed.update(enumerate(tasks, start))
+        return [Example(id=f"task{position}", data={"task": position}) for position in range(start, start + count)]
+
+    def task_at(self, example: Example):
+        return self.tasks[example.data["task"]] if self.bounded else self._streamed[example.data["task"]]
 
     def order(self, run_seed: int, env_index: int, epoch: int) -> list[int]:
         order = list(range(len(self.tasks)))
@@ -266,12 +356,18 @@ class VerifiersEnv(Environment):
         return order
 
     def examples_for_step(self, run_seed: int, step: int, env_index: int, count: int) -> list[Example]:
-        """Tasks (step - 1) * count ... step * count - 1 of the epoch-after-epoch stream of the taskset's tasks."""
+        """Tasks (step - 1) * count ... step * count - 1 of the epoch-after-epoch stream of a bounded selection's
+        tasks, or of the stream of an unbounded one."""
+        if not self.bounded:
+            return self.streamed((step - 1) * count, count)
         stream = epoch_stream(step, count, len(self.tasks), lambda epoch: self.order(run_seed, env_index, epoch))
         return [Example(id=f"task{task}-e{epoch}", data={"task": task}) for epoch, task in stream]
 
     def examples(self, seed: int, count: int) -> list[Example]:
-        """Up to `count` distinct tasks drawn with `seed`."""
+        """Up to `count` distinct tasks drawn with `seed`; of a stream, `count` tasks from position seed mod
+        STREAM_DRAW_SPAN."""
+        if not self.bounded:
+            return self.streamed(seed % STREAM_DRAW_SPAN, count)
         picked = random.Random(seed).sample(range(len(self.tasks)), min(count, len(self.tasks)))
         return [Example(id=f"task{index}", data={"task": index}) for index in picked]
 
@@ -279,7 +375,7 @@ class VerifiersEnv(Environment):
         vf = verifiers_module()
         from trace_rl.verifiers.client import client_config, register_sampler, unregister_sampler
 
-        env, task = self.vf_env, self.tasks[example.data["task"]]
+        env, task = self.vf_env, self.task_at(example)
         if self._serving is None:
             self._serving = Serving(env)
         key, model = uuid.uuid4().hex, RolloutModel(sampler)

@@ -33,9 +33,13 @@ class VerifiersRemoteEnv(VerifiersEnv):
 
     plays_here = False
 
-    def __init__(self, args: Mapping[str, Any] | None, server: str):
-        super().__init__(args)
-        self.server = server
+    def __init__(self, args: Mapping[str, Any] | None, select: dict[str, Any] | None = None,
+                 server: str | None = None):
+        super().__init__(args, select)
+        self.server = server  # None: an env that is only checked (`selection_problems`)
+
+    def check_loaded(self) -> None:
+        """Nothing: the seats, their harnesses and their tools live on the server."""
 
     def taskset(self):
         """The taskset, loaded here without the env (its agents and harnesses live on the server)."""
@@ -61,7 +65,7 @@ class VerifiersRemoteEnv(VerifiersEnv):
             temperature=sampler.sampling.temperature, top_p=sampler.sampling.top_p,
             max_tokens=sampler.sampling.max_completion_tokens, seed=sampler.seed, stop=sampler.sampling.stop,
             **NEUTRAL_SAMPLING)
-        task = self.tasks[example.data["task"]]
+        task = self.task_at(example)
         env_client = EnvClient(self.server)
         try:
             request = env_client.run(client, model, sampling, task.data.model_dump(mode="json"))

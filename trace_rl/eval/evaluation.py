@@ -108,7 +108,7 @@ async def sample_env(config: Config, runtime, env_index: int, name: str, env_con
     """Every sample of one eval env: its traces (with ids) and one row per sample."""
     evaluation: EvalConfig = config.eval
     env: Environment = load_env(env_config.id, env_config.args, env_config.import_paths,
-                                env_config.verifiers_server)
+                                env_config.verifiers_server, env_config.select)
     run_seed = derive_seed(config.seed, EVAL_SEED)
     examples = env.examples_for_step(run_seed, 1, env_index, evaluation.num_examples)
     sampling = evaluation.sampling or config.sampling

@@ -146,8 +146,8 @@ async def play_rollouts(
                 for example_index, example in enumerate(examples)
                 for rollout in range(config.env[env_index].group_size)]
 
-    envs = [load_env(env_config.id, env_config.args, env_config.import_paths, env_config.verifiers_server)
-            for env_config in config.env]
+    envs = [load_env(env_config.id, env_config.args, env_config.import_paths, env_config.verifiers_server,
+                     env_config.select) for env_config in config.env]
     jobs = []
     for env_index, env_config in enumerate(config.env):
         examples = envs[env_index].examples_for_step(config.seed, step, env_index, env_config.batch_size)

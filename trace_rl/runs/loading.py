@@ -81,7 +81,8 @@ def entry_problems(data: Any) -> list[str]:
         paths = entry.get("import_paths", []) if isinstance(entry, dict) else None
         if (isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("args", {}), dict)
                 and isinstance(paths, list) and all(isinstance(path, str) for path in paths)):
-            problems += check_env(where, entry["id"], entry.get("args", {}), paths)
+            select = entry.get("select") if isinstance(entry.get("select"), dict) else None
+            problems += check_env(where, entry["id"], entry.get("args", {}), paths, select=select)
     default = data.get("algorithms", Config.model_fields["algorithms"].get_default(call_default_factory=True))
     for index, entry in enumerate(_list(data.get("env"))):
         if not isinstance(entry, dict):
