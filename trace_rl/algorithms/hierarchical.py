@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from trace_rl.algorithms.base import AlgorithmError
+from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.algorithms.registry import register
-from trace_rl.algorithms.reward import GroupBaseline, set_trace_advantages
+from trace_rl.algorithms.reward import set_trace_advantages
 from trace_rl.algorithms.signal import ok_traces
 from trace_rl.data.trace import Trace, rollout_of
 
@@ -20,7 +20,7 @@ class HierarchicalGRPOOptions(BaseModel):
 
 
 @register("hierarchical_grpo")
-class HierarchicalGRPO(GroupBaseline):
+class HierarchicalGRPO(Algorithm):
     """A_i = r_i - mean_{j in P(i)} r_j on trace i's sampled tokens, over ok traces, where the peers P(i) are
 
         P(i) = the traces of agent(i) in rollout(i)   if agent(i) is in `episode_agents` (a solver: the attempts at
