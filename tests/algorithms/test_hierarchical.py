@@ -6,7 +6,7 @@ import pytest
 
 from tests.algorithms.helpers import reward_trace, run
 from trace_rl.algorithms import AlgorithmError, load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.data.trace import rollout_of, rollout_trace_id
 
 HIERARCHICAL = {"id": "hierarchical_grpo", "episode_agents": ["solver"]}
@@ -25,7 +25,7 @@ def played(group: str, rollouts: list[tuple[float, list[float]]]) -> list:
 
 
 def advantages(spec, traces) -> dict[str, float]:
-    return {c.trace_id: float(c.values[5]) for c in run(run_algorithm(load_algorithm(spec), traces))}
+    return {c.trace_id: float(c.values[5]) for c in run(apply_algorithm(load_algorithm(spec), traces))}
 
 
 def test_solvers_are_compared_on_their_problem_and_proposers_across_proposals():

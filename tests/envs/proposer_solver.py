@@ -16,7 +16,7 @@ from trace_rl.data.trace import Message, Trace
 from trace_rl.envs.base import Environment, Example, Sampler
 
 
-class ProposerSolverArgs(BaseModel):
+class ProposerSolverOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     solvers: int = Field(3, ge=1, description="solver plays per proposed problem")
 
@@ -26,8 +26,7 @@ def target_length(proposal: str) -> int:
 
 
 class ProposerSolver(Environment):
-    id = "proposer-solver"
-    Args = ProposerSolverArgs
+    Options = ProposerSolverOptions
 
     def make_example(self, rng: random.Random) -> dict:
         return {"topic": rng.choice(["ships", "birds", "clocks"])}

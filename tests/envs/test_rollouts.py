@@ -115,7 +115,7 @@ class TwinAgents(Environment):
     """A two-play env: one agent, 'policy-agent', plays twice a rollout (best-of-n); `third` adds an agent named
     like its second play."""
 
-    class Args(BaseModel):
+    class Options(BaseModel):
         third: str | None = None
 
     def make_example(self, rng):

@@ -13,9 +13,9 @@ import pytest
 from flows.cli import main
 from tests.algorithms.helpers import chat_branch, make_trace, run
 from trace_rl.algorithms import load_algorithm
-from trace_rl.algorithms.runner import run_algorithm
+from trace_rl.algorithms.runner import apply_algorithm
 from trace_rl.config import Config, config_to_toml
-from trace_rl.storage import RunStorage
+from trace_rl.storage import RunStorage, record_run_version
 from trace_rl.tables import write_channels, write_traces
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -64,10 +64,11 @@ def viewed_run(tmp_path_factory, tiny_model_path):
     config = Config(name="viewed", storage=str(root), env=[{"id": "reverse-text"}], model={"name": tiny_model_path})
     storage = RunStorage.of(config)
     storage.write_atomic(storage.path("config.toml"), config_to_toml(config).encode())
+    record_run_version(storage)
     traces = [tool_episode("good", 1.0), tool_episode("bad", 0.0)]
     write_traces(storage, 1, traces)
-    grpo = run(run_algorithm(load_algorithm("grpo"), traces))
-    sft = run(run_algorithm(load_algorithm({"id": "sft", "weight": 0.5}), traces[1:]))
+    grpo = run(apply_algorithm(load_algorithm("grpo"), traces))
+    sft = run(apply_algorithm(load_algorithm({"id": "sft", "weight": 0.5}), traces[1:]))
     write_channels(storage, storage.step_path(1, "channels/00-grpo.parquet"), grpo)
     write_channels(storage, storage.step_path(1, "channels/01-sft.parquet"), sft)
     with pytest.MonkeyPatch.context() as patch:

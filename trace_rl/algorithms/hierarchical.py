@@ -6,7 +6,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
-from trace_rl.algorithms.registry import register
+from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.algorithms.reward import set_trace_advantages
 from trace_rl.algorithms.signal import ok_traces
 from trace_rl.data.trace import Trace, rollout_of
@@ -19,7 +19,7 @@ class HierarchicalGRPOOptions(BaseModel):
         "problem); every other agent is compared with its own plays across the group")
 
 
-@register("hierarchical_grpo")
+@register_algorithm("hierarchical_grpo")
 class HierarchicalGRPO(Algorithm):
     """A_i = r_i - mean_{j in P(i)} r_j on trace i's sampled tokens, over ok traces, where the peers P(i) are
 
