@@ -1,5 +1,5 @@
 """`[[env]] select` (verifiers' SelectConfig), infinite tasksets streamed step by step and across a kill and resume,
-and what `--dry-run` refuses of a verifiers env, one line each."""
+what `--dry-run` refuses of a verifiers env, one line each, and a two-seat env on trace-rl's chat harness."""
 
 from __future__ import annotations
 
@@ -107,6 +107,31 @@ def test_dry_run_refuses_what_step_1_would_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.startswith("error: env.0: env 'verifiers': select.shuffle: ")
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_seats_that_default_to_a_harness_play_on_the_chat_harness_and_grpo_baselines_each_seat(hf_runtime):
+    import asyncio
+
+    import numpy as np
+
+    from trace_rl.algorithms import load_algorithm
+    from trace_rl.algorithms.runner import apply_algorithm
+    from trace_rl.config import Config
+    from trace_rl.pipeline.rollouts import play_rollouts
+
+    chat = {"harness": {"id": "trace-rl-chat"}}  # the fix the refusal names
+    config = Config(name="duel", seed=2, sampling={"max_completion_tokens": 6},
+                    env=[env_entry("coin_duel", batch_size=1, player0=chat, player1=chat) | {"group_size": 4}])
+    traces, summary = asyncio.run(play_rollouts(config, {"policy": hf_runtime}, step=1))
+    assert summary.envs["verifiers"].errors == 0 and len(traces) == 8
+    payoffs = {seat: [t.reward for t in traces if t.agent == seat] for seat in ("player0", "player1")}
+    assert all(sorted(pair) == [-1.0, 1.0] for pair in zip(*payoffs.values()))  # zero-sum, every game
+    assert len(set(payoffs["player0"])) == 2  # both seats won a game: a pooled mean would be 0 every time
+    channels = {c.trace_id: c for c in asyncio.run(apply_algorithm(load_algorithm("grpo"), traces))}
+    for trace in traces:
+        channel = channels[trace.id]
+        expected = trace.reward - np.mean(payoffs[trace.agent])
+        np.testing.assert_allclose(channel.values[channel.mask], expected, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -19,8 +19,9 @@ class CoinDuelEnv(vf.Env[CoinDuelConfig]):
     async def run(self, task, agents):
         first = await agents.player0.run(task)
         second = await agents.player1.run(task)
-        shorter = len(first.last_reply or "") <= len(second.last_reply or "")
-        first.rewards["payoff"], second.rewards["payoff"] = (1.0, -1.0) if shorter else (-1.0, 1.0)
+        won = 1.0 if len(first.last_reply or "") <= len(second.last_reply or "") else -1.0
+        first.record_reward("payoff", won)
+        second.record_reward("payoff", -won)
 
 
 __all__ = ["CoinDuelConfig", "CoinDuelEnv", "CoinDuelTaskset"]
