@@ -238,7 +238,7 @@ def cmd_view(args) -> int:
     if args.step not in saved:
         raise RefusedError(f"--step {args.step}: {args.run} has no saved traces of that step (saved: "
                            f"{', '.join(map(str, saved)) or 'none'})")
-    print(f"wrote {write_episodes_page(config, args.step)}")
+    print(f"wrote {write_episodes_page(config, args.step, rescore=args.rescore)}")
     return 0
 
 
@@ -360,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     view = sub.add_parser("view", help="write a step's episodes as a web page beside it (steps/<step>/episodes.html)")
     view.add_argument("run", help="the run: <storage>/<name>")
     view.add_argument("--step", type=int, required=True, help="the step whose episodes to show")
+    view.add_argument("--rescore", action="store_true", help="recompute the trainer's logprobs (transformers, "
+                      "float32, the weights that sampled each trace) to show the sampler-trainer gap per token")
     view.set_defaults(func=cmd_view)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")

@@ -12,8 +12,9 @@ by its training signal, summed per loss over the step's channels as the trainer 
 
 Hovering a token shows its id, the values it trains with and, for a sampled token, the sampler's logprob. The
 trainer's logprobs are not stored with the step (the trainer measures only their mean gap,
-`train/mismatch/mean_abs_logprob_diff` in metrics.json), so the page says so; given them (`trainer_logprobs`) the
-hover shows the trainer's logprob and the gap trainer - sampler too. Every secret the run knows of is redacted, as
+`train/mismatch/mean_abs_logprob_diff` in metrics.json), so the page says so; with `rescore` (`view --rescore`)
+they are recomputed by the weights that sampled each trace (`trace_rl.offline.rescore`) and the hover shows the
+trainer's logprob and the gap trainer - sampler too. Every secret the run knows of is redacted, as
 in the rollout table.
 """
 
@@ -31,6 +32,7 @@ from trace_rl.data.channel import Channel
 from trace_rl.data.trace import Branch, Message, Trace
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.models.runtime import load_tokenizer
+from trace_rl.offline.rescore import rescored_logprobs
 from trace_rl.pipeline.channels import combine
 from trace_rl.pipeline.rollout_table import known_secrets
 from trace_rl.storage import RunStorage
@@ -101,8 +103,10 @@ def episodes_page(title: str, traces: list[Trace], channels: list[Channel], toke
              "<span style='background: rgba(220,40,40,.6)'>advantage &lt; 0</span>"
              "<span style='background: rgba(40,90,220,.6)'>ce weight</span><span class='untrained'>not trained</span>"
              f"(shade: |advantage| / {rl_scale:.4g}, weight / {ce_scale:.4g}). Hover a token for its values and "
-             "logprobs. " + ("Trainer logprobs: recomputed." if trainer_logprobs is not None else
-                             "Trainer logprobs are not stored with the step: the hover shows the sampler's.") + "</p>"]
+             "logprobs. " + ("Trainer logprobs: recomputed in float32 by the weights that sampled each trace "
+                             "(view --rescore); the gap is trainer - sampler." if trainer_logprobs is not None else
+                             "Trainer logprobs are not stored with the step: the hover shows the sampler's "
+                             "(view --rescore recomputes them).") + "</p>"]
     for trace in traces:
         parts.append(f"<section class='episode' id='{text(trace.id)}'><h2>{text(trace.id)}</h2>"
                      f"<div>env {text(trace.env)} · example {text(trace.example_id)} · agent {text(trace.agent)}"
@@ -169,8 +173,9 @@ def channel_files(storage: RunStorage, step: int) -> list[str]:
     return sorted(path for path in storage.fs.ls(folder, detail=False) if path.endswith(".parquet"))
 
 
-def write_episodes_page(config: Config, step: int) -> str:
-    """Write `steps/<step>/episodes.html` of the run `config` describes, through its storage; returns its URL."""
+def write_episodes_page(config: Config, step: int, rescore: bool = False) -> str:
+    """Write `steps/<step>/episodes.html` of the run `config` describes, through its storage; returns its URL.
+    `rescore`: with the trainer's logprobs recomputed (`trace_rl.offline.rescore`)."""
     storage = RunStorage.of(config)
     traces = read_traces(storage, step)
     channels = [channel for path in channel_files(storage, step) for channel in read_channels(storage, path)]
@@ -182,7 +187,9 @@ def write_episodes_page(config: Config, step: int) -> str:
             texts[token] = tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return texts[token]
 
-    page = episodes_page(f"{config.name}: step {step}", traces, channels, token_text, known_secrets(config))
+    trainer_logprobs = rescored_logprobs(config, storage, traces) if rescore else None
+    page = episodes_page(f"{config.name}: step {step}", traces, channels, token_text, known_secrets(config),
+                         trainer_logprobs)
     path = storage.step_path(step, PAGE)
     storage.write_atomic(path, page.encode())
     return storage.url_of_path(path)
