@@ -37,9 +37,9 @@ from trace_rl.envs.registry import register_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models.runtime import Generation
 
-# what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
 # `examples(seed, count)` of a stream (refill rounds): `count` tasks from position seed mod this
 STREAM_DRAW_SPAN = 10_000
+# what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
 RUNTIME_NEEDS = {
     "docker": ("docker", "/var/run/docker.sock", None), "podman": ("podman", None, None),
     "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
@@ -348,6 +348,7 @@ class VerifiersEnv(Environment):
         return [Example(id=f"task{position}", data={"task": position}) for position in range(start, start + count)]
 
     def task_at(self, example: Example):
+        """The verifiers task of an example this env gave."""
         return self.tasks[example.data["task"]] if self.bounded else self._streamed[example.data["task"]]
 
     def order(self, run_seed: int, env_index: int, epoch: int) -> list[int]:
