@@ -45,7 +45,7 @@ def branch_logprobs(model, branch: Branch) -> np.ndarray:
     """log p(x_t | x_<t) for t >= 1 (token 0: 0), aligned with the branch's tokens."""
     import torch
 
-    ids = torch.as_tensor(branch.token_ids, dtype=torch.long)[None]
+    ids = torch.tensor(branch.token_ids, dtype=torch.long)[None]
     with torch.no_grad():
         logits = model(ids).logits[0, :-1].float()
     temperature = torch.where(torch.as_tensor(branch.sampled[1:]), float(branch.temperature), 1.0)
