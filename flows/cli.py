@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("run", help="the run: <storage>/<name>")
     view.add_argument("--step", type=int, required=True, help="the step whose episodes to show")
     view.add_argument("--rescore", action="store_true", help="recompute the trainer's logprobs (transformers, "
-                      "float32, the weights that sampled each trace) to show the sampler-trainer gap per token")
+                      "float32, the weights the trainer trained from at that step) to show the sampler-trainer gap "
+                      "per token")
     view.set_defaults(func=cmd_view)
 
     server = sub.add_parser("server", help="manage the embedded Prefect server (UI at http://127.0.0.1:4200)")

@@ -130,14 +130,15 @@ def test_the_page_says_the_trainer_logprobs_are_not_stored(viewed_run):
     assert re.search(r"Trainer logprobs are not stored with the step: the hover shows the sampler's", text)
 
 
-def test_rescore_shows_the_trainer_logprob_and_the_gap_by_the_weights_that_sampled(viewed_run, tiny_model_path):
+def test_rescore_shows_the_trainer_logprob_and_the_gap_by_the_weights_the_step_trained_from(viewed_run,
+                                                                                            tiny_model_path):
     from tests.envs.test_verifiers_env import recomputed_logprobs
 
     storage, traces = viewed_run
     assert main(["view", storage.url, "--step", "1", "--rescore"]) == 0
     parsed = Page()
     parsed.feed(storage.read_bytes(storage.step_path(1, "episodes.html")).decode())
-    (branch,) = traces[0].branches  # sampled by the base model (policy step 0), logprobs -0.5 as written
+    (branch,) = traces[0].branches  # step 1 trains from the base model; the logprobs written are -0.5
     expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)
     for t in np.flatnonzero(branch.sampled):
         title = parsed.sections[0]["tokens"][t][1]

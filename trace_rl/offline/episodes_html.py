@@ -13,7 +13,7 @@ by its training signal, summed per loss over the step's channels as the trainer 
 Hovering a token shows its id, the values it trains with and, for a sampled token, the sampler's logprob. The
 trainer's logprobs are not stored with the step (the trainer measures only their mean gap,
 `train/mismatch/mean_abs_logprob_diff` in metrics.json), so the page says so; with `rescore` (`view --rescore`)
-they are recomputed by the weights that sampled each trace (`trace_rl.offline.rescore`) and the hover shows the
+they are recomputed by the weights the trainer trained from at the step (`trace_rl.offline.rescore`) and the hover shows the
 trainer's logprob and the gap trainer - sampler too. Every secret the run knows of is redacted, as
 in the rollout table.
 """
@@ -103,8 +103,8 @@ def episodes_page(title: str, traces: list[Trace], channels: list[Channel], toke
              "<span style='background: rgba(220,40,40,.6)'>advantage &lt; 0</span>"
              "<span style='background: rgba(40,90,220,.6)'>ce weight</span><span class='untrained'>not trained</span>"
              f"(shade: |advantage| / {rl_scale:.4g}, weight / {ce_scale:.4g}). Hover a token for its values and "
-             "logprobs. " + ("Trainer logprobs: recomputed in float32 by the weights that sampled each trace "
-                             "(view --rescore); the gap is trainer - sampler." if trainer_logprobs is not None else
+             "logprobs. " + ("Trainer logprobs: recomputed in float32 by the weights the trainer trained from at "
+                             "this step (view --rescore); the gap is trainer - sampler." if trainer_logprobs is not None else
                              "Trainer logprobs are not stored with the step: the hover shows the sampler's "
                              "(view --rescore recomputes them).") + "</p>"]
     for trace in traces:
@@ -187,7 +187,7 @@ def write_episodes_page(config: Config, step: int, rescore: bool = False) -> str
             texts[token] = tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return texts[token]
 
-    trainer_logprobs = rescored_logprobs(config, storage, traces) if rescore else None
+    trainer_logprobs = rescored_logprobs(config, storage, step, traces) if rescore else None
     page = episodes_page(f"{config.name}: step {step}", traces, channels, token_text, known_secrets(config),
                          trainer_logprobs)
     path = storage.step_path(step, PAGE)
