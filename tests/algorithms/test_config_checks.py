@@ -43,7 +43,8 @@ def test_echo_filter_must_be_importable_at_config_time():
 
 
 def test_unknown_algorithm_lists_the_builtins():
-    with pytest.raises(ConfigError, match="echo, grpo, hierarchical_grpo, max_rl, opd, opsd, rae, reinforce_pp, rl, rloo, sft"):
+    builtins = "echo, grpo, hierarchical_grpo, max_rl, opd, opsd, rae, reinforce_pp, rl, rloo, sft"
+    with pytest.raises(ConfigError, match=builtins):
         config(["ppo"])
 
 

@@ -13,8 +13,8 @@ by its training signal, summed per loss over the step's channels as the trainer 
 Hovering a token shows its id, the values it trains with and, for a sampled token, the sampler's logprob. The
 trainer's logprobs are not stored with the step (the trainer measures only their mean gap,
 `train/mismatch/mean_abs_logprob_diff` in metrics.json), so the page says so; with `rescore` (`view --rescore`)
-they are recomputed by the weights the trainer trained from at the step (`trace_rl.offline.rescore`) and the hover shows the
-trainer's logprob and the gap trainer - sampler too. Every secret the run knows of is redacted, as
+they are recomputed by the weights the trainer trained from at the step (`trace_rl.offline.rescore`) and the hover
+shows the trainer's logprob and the gap trainer - sampler too. Every secret the run knows of is redacted, as
 in the rollout table.
 """
 
@@ -39,6 +39,10 @@ from trace_rl.storage import RunStorage
 from trace_rl.tables import read_channels, read_traces
 
 PAGE = "episodes.html"
+RESCORED = ("Trainer logprobs: recomputed in float32 by the weights the trainer trained from at this step (view "
+            "--rescore); the gap is trainer - sampler.")
+NOT_STORED = ("Trainer logprobs are not stored with the step: the hover shows the sampler's (view --rescore "
+              "recomputes them).")
 
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; max-width: 70em; }
@@ -97,16 +101,13 @@ def episodes_page(title: str, traces: list[Trace], channels: list[Channel], toke
     def text(value: str) -> str:
         return html.escape(credentials.redact(value, secrets))
 
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{text(title)}</title>"
-             f"<style>{STYLE}</style></head><body><h1>{text(title)}</h1>",
+    parts = [(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{text(title)}</title>"
+              f"<style>{STYLE}</style></head><body><h1>{text(title)}</h1>"),
              "<p class='legend'>Tokens: <span style='background: rgba(40,170,40,.6)'>advantage &gt; 0</span>"
              "<span style='background: rgba(220,40,40,.6)'>advantage &lt; 0</span>"
              "<span style='background: rgba(40,90,220,.6)'>ce weight</span><span class='untrained'>not trained</span>"
              f"(shade: |advantage| / {rl_scale:.4g}, weight / {ce_scale:.4g}). Hover a token for its values and "
-             "logprobs. " + ("Trainer logprobs: recomputed in float32 by the weights the trainer trained from at "
-                             "this step (view --rescore); the gap is trainer - sampler." if trainer_logprobs is not None else
-                             "Trainer logprobs are not stored with the step: the hover shows the sampler's "
-                             "(view --rescore recomputes them).") + "</p>"]
+             "logprobs. " + (RESCORED if trainer_logprobs is not None else NOT_STORED) + "</p>"]
     for trace in traces:
         parts.append(f"<section class='episode' id='{text(trace.id)}'><h2>{text(trace.id)}</h2>"
                      f"<div>env {text(trace.env)} · example {text(trace.example_id)} · agent {text(trace.agent)}"

@@ -30,4 +30,4 @@ class CountingStream(vf.Taskset[vf.Task[CountingData], CountingConfig]):
                           self.config.task)
 
 
-__all__ = ["CountingStream", "CountingConfig"]
+__all__ = ["CountingConfig", "CountingStream"]
