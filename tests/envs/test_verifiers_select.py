@@ -74,8 +74,6 @@ def test_an_infinite_taskset_without_select_is_a_stream_by_step():
 
 
 def test_dry_run_refuses_what_step_1_would_in_one_line(tmp_path):
-    from trace_rl.verifiers.harness import ChatHarness
-
     shuffled = problem(tmp_path, env_entry("counting_stream", {"shuffle": True, "limit": 4}))
     assert shuffled.startswith("env.0: env 'verifiers': select.shuffle: taskset 'counting_stream' is infinite")
     assert 'select.include = { idx = ["0:1000"] }' in shuffled
@@ -93,13 +91,11 @@ def test_dry_run_refuses_what_step_1_would_in_one_line(tmp_path):
     assert 'trace-rl\'s chat harness (args.player0.harness = { id = "trace-rl-chat" })' in duel
     chat = {"harness": {"id": "trace-rl-chat"}}
     validate_config(small_config(str(tmp_path), "vf-duel", env=[env_entry("coin_duel", player0=chat, player1=chat)]))
-    # a taskset whose tasks serve MCP tools, on a harness that cannot run them
-    tools = small_config(str(tmp_path), "vf-tools", env=[env_entry("tool_tasks")])
-    if ChatHarness.SUPPORTS_MCP:
-        validate_config(tools)
-    else:
-        assert "env.0: env 'verifiers': args.agent: Harness 'trace-rl-chat' does not support MCP tools" in problem(
-            tmp_path, tools["env"][0])
+    # a taskset whose tasks serve MCP tools: trace-rl's chat harness runs them, verifiers' terminus_2 cannot
+    validate_config(small_config(str(tmp_path), "vf-tools", env=[env_entry("tool_tasks")]))
+    terminus = {"harness": {"id": "terminus_2"}, "runtime": {"type": "subprocess"}}
+    assert "env.0: env 'verifiers': args.agent: Harness 'terminus_2' does not support MCP tools" in problem(
+        tmp_path, env_entry("tool_tasks", agent=terminus))
     # the CLI: exit 2, the line alone
     config = tmp_path / "shuffled.toml"
     config.write_text(tomli_w.dumps(small_config(str(tmp_path), "vf-cli", env=[
