@@ -164,6 +164,32 @@ def test_link_nav_reward_is_progress_toward_target(tokenizer):
     assert trace.reward == pytest.approx((to_target[start] - to_target[step]) / to_target[start])
 
 
+def test_secret_lookup_scripted_episodes_score_the_looked_up_number(tokenizer):
+    env = load_env("secret-lookup", {"max_turns": 3})
+    example = env.examples(0, 1)[0]
+    word, secret = example.data["word"], str(example.data["secrets"][example.data["word"]])
+    other = next(w for w in example.data["secrets"] if w != word)
+
+    def play(*replies):
+        runtime = ScriptedRuntime(tokenizer, list(replies))
+        return asyncio.run(env.rollout(example, Sampler(runtime, SAMPLING, seed=0)))[0]
+
+    call = '<tool_call>lookup {"word": "' + word + '"}</tool_call>'
+    trace = play("<tool_call>search {}</tool_call>", call, f"It is {secret}.")
+    check_token_exact(trace, tokenizer)
+    assert trace.messages[2].content.startswith("<tool_call>lookup") and trace.messages[2].content.count(other) == 1
+    tools = [m for m in trace.messages if m.role == "tool"][1:]  # after the scripted demonstration
+    assert [m.content for m in tools] == ["error: unknown tool 'search'; use lookup",
+                                          f"The secret number of {word} is {secret}."]
+    assert trace.reward == 1.0 and trace.metrics["lookup_success"] == 1.0
+    assert (trace.metrics["tool_calls"], trace.metrics["invalid_calls"]) == (2, 1)
+    wrong_word = play('<tool_call>lookup {"word": "' + other + '"}</tool_call>', f"It is {secret}.")
+    assert wrong_word.metrics["lookup_success"] == 0.0 and wrong_word.reward == 1.0  # right answer, wrong lookup
+    guessed = play("It is 123.")
+    assert (guessed.reward, guessed.metrics["lookup_success"], guessed.metrics["tool_calls"]) == (
+        float(secret == "123"), 0.0, 0)
+
+
 def test_registry_and_args_errors():
     assert resolve_env_class("reverse-text").id == "reverse-text"
     assert resolve_env_class("trace_rl.envs.reverse_text:ReverseText") is resolve_env_class("reverse-text")

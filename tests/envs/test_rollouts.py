@@ -54,6 +54,9 @@ def test_groups_ids_temperatures_and_summary(runtime):
     assert summary.envs["reverse-text"].reward_mean == pytest.approx(rewards.mean())
     assert summary.envs["reverse-text"].reward_std == pytest.approx(rewards.std())
     assert summary.metrics()["rollouts/number-debate/traces"] == 4.0
+    exact = np.mean([t.metrics["exact"] for t in reverse])
+    assert summary.metrics()["rollouts/reverse-text/metrics/exact"] == pytest.approx(exact)
+    assert summary.metrics()["rollouts/number-debate/metrics/turns"] == 1.0  # each player's one round
 
 
 def test_same_seed_and_step_same_traces(hf_runtime):

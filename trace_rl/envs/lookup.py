@@ -18,6 +18,7 @@ import trace_rl.envs.gym  # noqa: F401
 import trace_rl.envs.link_nav  # noqa: F401
 import trace_rl.envs.number_debate  # noqa: F401
 import trace_rl.envs.reverse_text  # noqa: F401
+import trace_rl.envs.secret_lookup  # noqa: F401
 import trace_rl.envs.verifiers  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS

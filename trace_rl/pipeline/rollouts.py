@@ -61,6 +61,7 @@ class EnvSummary(BaseModel):
     reward_mean: float = 0.0
     reward_std: float = 0.0
     failed_groups: list[str] = []
+    metric_means: dict[str, float] = {}  # each trace metric's mean over the error-free traces that report it
     # dynamic sampling (`[[env]] drop_uniform_groups`, `refill_rounds`); reported only when it is on
     dynamic: bool = False
     groups: int = 0  # groups kept for the algorithms
@@ -74,12 +75,14 @@ class RolloutSummary(BaseModel):
     errors: list[str] = []  # the first distinct error messages
 
     def metrics(self) -> dict[str, float]:
-        """Flat numbers for metrics.json: `rollouts/<env>/<name>` and `rollouts/retries`."""
+        """Flat numbers for metrics.json: `rollouts/<env>/<name>`, the means of the traces' own metrics as
+        `rollouts/<env>/metrics/<metric>`, and `rollouts/retries`."""
         out: dict[str, float] = {"rollouts/retries": float(self.retries)}
         for env, summary in self.envs.items():
             out.update({f"rollouts/{env}/{name}": float(getattr(summary, name))
                         for name in ("traces", "errors", "error_fraction", "reward_mean", "reward_std")})
             out[f"rollouts/{env}/failed_groups"] = float(len(summary.failed_groups))
+            out.update({f"rollouts/{env}/metrics/{name}": mean for name, mean in summary.metric_means.items()})
             if summary.dynamic:
                 out.update({f"rollouts/{env}/{name}": float(getattr(summary, name))
                             for name in ("groups", "dropped_groups", "refill_rounds")})
@@ -282,10 +285,15 @@ def summarize(rollouts: list[list[Trace]]) -> EnvSummary:
     rewards = np.array([t.reward for t in traces if t.error is None], dtype=np.float64)
     failed = [gid for gid, group in group_traces(traces).items() if all(t.error for t in group)]
     failed_rollouts = sum(any(t.error is not None for t in rollout) for rollout in rollouts)
+    reported: dict[str, list[float]] = {}
+    for trace in traces:
+        if trace.error is None:
+            for name, value in trace.metrics.items():
+                reported.setdefault(name, []).append(value)
     return EnvSummary(
         traces=len(traces), errors=sum(t.error is not None for t in traces), rollouts=len(rollouts),
         error_fraction=failed_rollouts / len(rollouts) if rollouts else 0.0,
         reward_mean=float(rewards.mean()) if rewards.size else 0.0,
         reward_std=float(rewards.std()) if rewards.size else 0.0,
-        failed_groups=failed,
+        failed_groups=failed, metric_means={name: float(np.mean(values)) for name, values in reported.items()},
     )
