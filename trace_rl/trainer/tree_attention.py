@@ -26,7 +26,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from trace_rl.trainer.varlen import RowLayout
+from trace_rl.trainer.varlen import RowLayout, check_packed_row
 
 TREE_ATTENTION = "packed_flex"
 
@@ -74,9 +74,7 @@ def packed_flex_attention(
 ) -> tuple[torch.Tensor, None]:
     """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), each query over its path in
     `row_layout` (None: the row is one causal sequence)."""
-    if query.shape[0] != 1 or attention_mask is not None:
-        raise ValueError(f"{TREE_ATTENTION} takes one packed row (batch 1) and no attention mask; got batch "
-                         f"{query.shape[0]}{' and a mask' if attention_mask is not None else ''}")
+    check_packed_row(TREE_ATTENTION, query, attention_mask)
     if dropout:
         raise ValueError(f"{TREE_ATTENTION} has no attention dropout (the model's is {dropout}); use packed_sdpa")
     length = query.shape[2]

@@ -69,6 +69,13 @@ class RowLayout:
         return self.cached(("mask", index, device), build)
 
 
+def check_packed_row(implementation: str, query: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """A packed attention takes one row of packed sequences (batch 1), laid out by its RowLayout, and no mask."""
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise ValueError(f"{implementation} takes one packed row (batch 1) and no attention mask; got batch "
+                         f"{query.shape[0]}{' and a mask' if attention_mask is not None else ''}")
+
+
 def packed_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -82,9 +89,7 @@ def packed_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), per segment of
     `row_layout` (None: the row is one causal sequence)."""
-    if query.shape[0] != 1 or attention_mask is not None:
-        raise ValueError(f"{PACKED_ATTENTION} takes one packed row (batch 1) and no attention mask; got batch "
-                         f"{query.shape[0]}{' and a mask' if attention_mask is not None else ''}")
+    check_packed_row(PACKED_ATTENTION, query, attention_mask)
     length = query.shape[2]
     if row_layout is None:
         row_layout = RowLayout([(0, length, ())])
