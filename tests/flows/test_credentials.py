@@ -22,11 +22,11 @@ def s3_config(s3_server, prefix: str, secret: str):
 
 def test_flow_parameters_hold_no_secret(prefect_api, s3_server):
     from flows.step import step_flow
-    from flows.train import train
+    from flows.train import train_flow
 
     config = s3_config(s3_server, "params", SECRET)
     assert config.storage_options["secret"].get_secret_value() == SECRET
-    for parameters in (train.serialize_parameters({"config": config, "mode": "new"}),
+    for parameters in (train_flow.serialize_parameters({"config": config, "mode": "new"}),
                        step_flow.serialize_parameters({"config": config, "step": 1})):
         assert SECRET not in json.dumps(parameters)
         assert parameters["config"]["storage_options"] == {"client_kwargs": {"endpoint_url": s3_server["endpoint_url"]}}

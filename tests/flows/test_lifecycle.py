@@ -50,12 +50,14 @@ def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
 def test_refusals_are_one_message_with_exit_code_2_and_no_flow_run(prefect_api, tmp_path):
     from trace_rl.config import config_to_toml
     from trace_rl.runs.loading import validate_config
+    from trace_rl.version import VERSION_FILE, version_record
 
     config = tmp_path / "existing.toml"
     config.write_text(tomli_w.dumps(small_config(str(tmp_path / "runs"), "existing")))
     (tmp_path / "runs" / "existing").mkdir(parents=True)
     (tmp_path / "runs" / "existing" / "config.toml").write_text(
         config_to_toml(validate_config(small_config(str(tmp_path / "runs"), "existing"))))
+    (tmp_path / "runs" / "existing" / VERSION_FILE).write_bytes(version_record())  # a run of this release
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "batch.parquet").write_text("an earlier replay")
     unknown = tmp_path / "unknown.toml"
@@ -183,7 +185,7 @@ def subflow(api_url: str, name: str, parent: dict) -> dict:
 def test_the_train_flow_on_a_finished_run_says_so_and_runs_no_step(prefect_api, tmp_path, capsys):
     """What the `train/<name>` deployment (mode = resume) does when started again on a finished run: the same
     message `trace-rl train --resume` prints, and no step subflow."""
-    from flows.train import train
+    from flows.train import train_flow
     from tests.flows.test_pipeline import step_runs
     from trace_rl.runs.loading import validate_config
 
@@ -191,7 +193,7 @@ def test_the_train_flow_on_a_finished_run_says_so_and_runs_no_step(prefect_api, 
     storage = RunStorage(config.storage, config.name)
     for kind in ("checkpoints", "weights"):
         storage.mark_stable(storage.path(kind, "000002"))
-    assert train(config, mode="resume") == []
+    assert train_flow(config, mode="resume") == []
     assert (f"finished-flow is already finished: all 2 steps are trained ({storage.url}); nothing to do. To train "
             "on, raise steps: --resume --set steps=N with N > 2") in " ".join(capsys.readouterr().err.split())
     assert step_runs(prefect_api, "finished-flow") == []
