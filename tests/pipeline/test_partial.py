@@ -1,5 +1,5 @@
 """Partial rollouts (`[async] partial_rollout_tokens`) on the transformers sampler and the tiny model: a rollout cut
-and continued under newer weights, the step's choice of ended groups and its in-flight store, stale tokens masked
+and continued under newer weights (single-turn, multi-turn, two agents, a verifiers env), the step's choice of ended groups and its in-flight store, stale tokens masked
 or dropped, and the configs refused. The SIGKILL + resume of a run with rollouts in flight:
 tests/flows/test_crash_resume.py::test_async_run_with_partial_rollouts_killed_...
 """
@@ -7,6 +7,7 @@ tests/flows/test_crash_resume.py::test_async_run_with_partial_rollouts_killed_..
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from tests.flows.conftest import small_config
 from tests.inference.conftest import save_updated_model, trainer_logprobs
 from trace_rl.config import Config, ConfigError, parse_config
 from trace_rl.data.sample import TrainingSample
+from trace_rl.envs.lookup import load_env
 from trace_rl.envs.reverse_text import ReverseText
 from trace_rl.inference.build import build_runtime
 from trace_rl.models.runtime import RuntimeConfig
@@ -26,11 +28,14 @@ from trace_rl.pipeline.partial import (
     SegmentSampler,
     play_partial_rollouts,
     read_in_flight,
+    record_versions,
 )
+from trace_rl.pipeline.rollouts import run_rollout
 from trace_rl.pipeline.token_age import age_metrics, drop_stale, mask_stale
 from trace_rl.runs.loading import check_config
 from trace_rl.storage import RunStorage
 
+VERIFIERS_TASKSETS = str(Path(__file__).resolve().parents[2] / "configs" / "verifiers")  # the shipped tasksets
 # several common bytes end a turn, so rollouts end at different lengths and some stay in flight across steps
 STOP_TOKENS = ["<|im_end|>", *"etaoinshr"]
 
@@ -78,27 +83,87 @@ def test_a_cut_rollout_continues_from_its_exact_ids_and_each_logprob_is_its_own_
 
     with pytest.raises(SegmentCut):
         drive()
-    cut = list(record.token_ids)
-    assert len(cut) == 4 and record.versions == [0] * 4 and record.finish_reason is None
+    (call,) = record.calls
+    cut = list(call.token_ids)
+    assert len(cut) == 4 and call.versions == [0] * 4 and call.finish_reason is None
     asyncio.run(runtime.load_weights(updated_dir, 1))
     try:
         with pytest.raises(SegmentCut):
             drive()
-        assert record.token_ids[:4] == cut and len(record.token_ids) == 8
+        assert call.token_ids[:4] == cut and len(call.token_ids) == 8
         (trace,) = drive()  # the last 2 tokens of the 10 allowed, still under version 1
     finally:
         asyncio.run(runtime.load_weights(tiny_model_path, 0))
-    assert record.versions == [0] * 4 + [1] * 6
-    assert record.finish_reason == ("stop" if record.token_ids[-1] in runtime.stop_token_ids else "length")
+    assert record.calls == [call] and call.versions == [0] * 4 + [1] * 6
+    assert call.finish_reason == ("stop" if call.token_ids[-1] in runtime.stop_token_ids else "length")
     branch = trace.branches[0]
-    assert branch.token_ids[branch.sampled].tolist() == record.token_ids  # the env got the ids, not a re-rendering
-    np.testing.assert_array_equal(branch.logprobs[branch.sampled], np.float32(record.logprobs))
-    versions = np.array(record.versions)
+    assert branch.token_ids[branch.sampled].tolist() == call.token_ids  # the env got the ids, not a re-rendering
+    np.testing.assert_array_equal(branch.logprobs[branch.sampled], np.float32(call.logprobs))
+    versions = np.array(call.versions)
     for version, weights in ((0, tiny_model_path), (1, updated_dir)):
         expected = trainer_logprobs(weights, branch.token_ids.tolist(), 1.3)[branch.sampled][versions == version]
         np.testing.assert_allclose(branch.logprobs[branch.sampled][versions == version], expected, atol=2e-5, rtol=0)
     other = trainer_logprobs(updated_dir, branch.token_ids.tolist(), 1.3)[branch.sampled][versions == 0]
     assert np.abs(other - branch.logprobs[branch.sampled][versions == 0]).max() > 1e-3  # the versions differ
+
+
+def drive_in_segments(env, example, runtime, config: Config, weights: list[str], tokens: int):
+    """Drive one rollout of `env` a segment of `tokens` at a time, under weights versions 0, 1, 0, ... (`weights`),
+    until it ends; check that each drive continued the calls of the one before from their exact ids, sampling at
+    most `tokens` over them. Its record, its traces (their per-token versions recorded) and how many drives."""
+    record = Rollout(origin=1, env_index=0, example_index=0, rollout=0)
+    drives = 0
+    try:
+        while True:
+            version = drives % len(weights)
+            asyncio.run(runtime.load_weights(weights[version], version))
+            before = [list(call.token_ids) for call in record.calls]
+            sampler = SegmentSampler(runtime, config, 0, record, seed=11, tokens=tokens)
+            try:
+                traces, _ = asyncio.run(run_rollout(env, example, sampler, max_retries=0, backoff_s=0))
+            except SegmentCut:
+                traces = None
+            drives += 1
+            after = [call.token_ids for call in record.calls]
+            assert len(after) >= len(before) and all(a[:len(b)] == b for a, b in zip(after, before))
+            assert 0 < sum(map(len, after)) - sum(map(len, before)) <= tokens
+            if traces is not None:
+                break
+    finally:
+        asyncio.run(runtime.load_weights(weights[0], 0))
+    assert [t.error for t in traces] == [None] * len(traces)
+    record_versions(traces, record, env.id)
+    return record, traces, drives
+
+
+@pytest.mark.parametrize("env_id, args", [
+    ("alphabet-sort", {"turns": 3}),  # one agent, three turns
+    ("number-debate", {"rounds": 2}),  # two agents in turn, two turns each
+    ("verifiers", {"taskset": {"id": "follow_up_tasks"}}),  # a verifiers env, two turns, on its interception server
+])
+def test_a_multi_turn_rollout_continues_between_and_within_turns_each_logprob_its_own_weights(
+        runtime, tiny_model_path, updated_dir, tmp_path, env_id, args):
+    config = partial_config(str(tmp_path), "turns", sampling={"max_completion_tokens": 6, "temperature": 1.3})
+    env = load_env(env_id, args, [VERIFIERS_TASKSETS])
+    example = env.examples(0, 1)[0]
+    record, traces, drives = drive_in_segments(env, example, runtime, config, [tiny_model_path, updated_dir], 4)
+    turns = {"alphabet-sort": 3, "number-debate": 4, "verifiers": 2}[env_id]
+    assert len(record.calls) == turns and all(call.finish_reason for call in record.calls)
+    assert drives == -(-sum(len(call.token_ids) for call in record.calls) // 4)  # every drive sampled its 4 tokens
+    runs = 0
+    for trace in traces:
+        for branch in trace.branches:
+            sampled = branch.sampled
+            versions = branch.policy_versions
+            assert ((versions >= 0) == sampled).all()
+            runs += int(np.sum(np.diff(np.concatenate([[0], sampled.astype(int)])) == 1))
+            for version, weights in enumerate((tiny_model_path, updated_dir)):
+                mine = versions[sampled] == version
+                expected = trainer_logprobs(weights, branch.token_ids.tolist(), 1.3)[sampled][mine]
+                np.testing.assert_allclose(branch.logprobs[sampled][mine], expected, atol=2e-5, rtol=0)
+    assert runs == turns  # each call's completion is one run of sampled tokens, its versions recorded
+    spanning = [call for call in record.calls if len(set(call.versions)) == 2]
+    assert spanning, "no call was continued under other weights: change the budget or the seed"
 
 
 def run_steps(config: Config, runtime, storage: RunStorage, steps, updated_dir: str, tiny_model_path: str) -> dict:
@@ -177,13 +242,20 @@ def test_tokens_older_than_max_off_policy_steps_are_masked_or_their_rollout_drop
     assert mask_stale(samples, 6, 2) == 0  # k = 2: weights 1 and newer train
 
 
+class SandboxEnv(ReverseText):
+    """An env whose rollouts have effects outside it: driving one again would repeat them."""
+
+    drivable_again = False
+
+
 @pytest.mark.parametrize("change, problem", [
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 0}},
      "async.partial_rollout_tokens: Input should be greater than or equal to 1"),
     ({"async": {"partial_rollout_tokens": 4}}, "set async.max_off_policy_steps >= 1"),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
-      "env": [{"id": "alphabet-sort", "batch_size": 2, "group_size": 2}]},
-     "env.0: async.partial_rollout_tokens continues single-turn envs only (env 'alphabet-sort' is not one"),
+      "env": [{"id": "tests.pipeline.test_partial:SandboxEnv", "batch_size": 2, "group_size": 2}]},
+     "env.0: async.partial_rollout_tokens continues a rollout by driving its env again with the tokens it sampled, "
+     "which env 'tests.pipeline.test_partial:SandboxEnv' cannot be (SandboxEnv sets drivable_again = False)"),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4}, "sampling": {"stop": ["\n"]}},
      "env.0 sampling.stop: a stop string may span a cut"),
 ])

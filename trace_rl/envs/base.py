@@ -81,6 +81,10 @@ class Sampler:
         renderer = Renderer(self.runtime.tokenizer, tools, end_of_turn=(self.runtime.config.stop_tokens or [None])[0])
         return Conversation(renderer, generate, temperature=self.sampling.temperature, messages=messages)
 
+    def begin_rollout(self) -> None:
+        """The rollout loop calls it before each attempt of the rollout (a retry starts it over). This sampler keeps
+        nothing between attempts; one that replays a rollout's recorded calls starts them over."""
+
     async def generate(self, prompt_ids: list[int], *, seed: int, max_tokens: int | None = None) -> Generation:
         """One turn of at most `max_tokens` (default: the env's `max_completion_tokens`) that fit `max_model_len`."""
         room = self.runtime.config.max_model_len - len(prompt_ids)
@@ -107,9 +111,10 @@ class Environment:
 
     id: ClassVar[str] = ""
     Options: ClassVar[type[BaseModel]] = NoOptions
-    # the rollout samples one turn of one agent (its first `generate` is its only one): what `[async]
-    # partial_rollout_tokens` can cut and continue by driving the rollout again (trace_rl.pipeline.partial)
-    single_turn: ClassVar[bool] = False
+    # a rollout driven again with the completions it sampled rebuilds its state between turns and does nothing else
+    # (no sandbox, no tool with side effects): how `[async] partial_rollout_tokens` continues a rollout
+    # (trace_rl.pipeline.partial); an env that cannot be driven so sets it False and partial rollouts refuse it
+    drivable_again: ClassVar[bool] = True
 
     def __init__(self, args: Mapping[str, Any] | None = None):
         self.args = validate_args(type(self), dict(args or {}))
@@ -139,6 +144,12 @@ class Environment:
         """Problems with this env's validated `[env].args` beyond their schema (e.g. a data set's files that do not
         read), checked at load time. Default: none."""
         return []
+
+    @classmethod
+    def drive_again_problem(cls, options: BaseModel) -> str | None:
+        """Why this env's rollouts with these validated `[env].args` cannot be driven again (`drivable_again`), or
+        None."""
+        return None if cls.drivable_again else f"{cls.__name__} sets drivable_again = False"
 
     async def rollout(self, example: Example, sampler: Sampler) -> list[Trace]:
         raise NotImplementedError

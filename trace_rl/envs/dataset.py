@@ -182,7 +182,6 @@ def load_rows(args: DatasetOptions) -> tuple[tuple[list[Message], str], ...]:
 
 @register_env("dataset")
 class Dataset(Environment):
-    single_turn = True
     Options = DatasetOptions
 
     def __init__(self, args=None):

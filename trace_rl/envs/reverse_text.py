@@ -35,7 +35,6 @@ class ReverseTextOptions(BaseModel):
 
 @register_env("reverse-text")
 class ReverseText(Environment):
-    single_turn = True
     Options = ReverseTextOptions
 
     def make_example(self, rng: random.Random) -> dict:

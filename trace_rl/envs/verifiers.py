@@ -165,13 +165,17 @@ def check_runtimes(config, own_harness: str) -> None:
 class RolloutModel:
     """The `trace_rl.verifiers.client.TurnSampler` of one rollout, on its Sampler: conversation k's turn t samples
     with seed derive_seed(derive_seed(rollout seed, k), t), as `Sampler.conversation` seeds trace-rl's own envs.
-    Keeps the first error, so a retryable or fatal sampler error reaches the rollout loop as itself."""
+    Keeps the first error, so a retryable or fatal sampler error reaches the rollout loop as itself. A sampler that
+    stops the rollout (a partial rollout's `SegmentCut`: any BaseException but a cancellation) cancels the episode
+    (`episode`), which verifiers tears down as any cancelled one, and the rollout raises it once the episode ended."""
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
         self.tokenizer = sampler.runtime.tokenizer
         self.end_of_turn = (sampler.runtime.config.stop_tokens or [None])[0]
         self.error: BaseException | None = None
+        self.stop: BaseException | None = None
+        self.episode: asyncio.Future | None = None
 
     async def generate(self, prompt_ids: list[int], *, conversation: int, turn: int) -> Generation:
         try:
@@ -180,6 +184,13 @@ class RolloutModel:
         except Exception as exc:
             self.error = self.error or exc
             raise
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # verifiers' request handler would only re-raise it to its HTTP server
+            self.stop = self.stop or exc
+            if self.episode is not None:
+                self.episode.cancel()
+            raise asyncio.CancelledError from None
 
 
 class Serving:
@@ -281,6 +292,24 @@ class VerifiersEnv(Environment):
     @classmethod
     def check_config(cls, options: BaseModel) -> list[str]:
         return cls.selection_problems(options.model_dump(), None)
+
+    @classmethod
+    def drive_again_problem(cls, options: BaseModel) -> str | None:
+        """A seat whose harness runs code in its runtime, a task that needs a container, or a taskset class that
+        sets `drivable_again = False` (tools with side effects): driving an episode again would repeat them."""
+        try:
+            env = cls(options.model_dump()).vf_env
+        except EnvError:
+            return None  # check_config names it
+        for name, harness in env._harnesses.items():
+            if type(harness).EXECUTES_CODE:
+                return f"args.{name}: harness {type(harness).__name__} runs code in its runtime"
+        taskset = type(env.taskset)
+        if taskset.task_type().NEEDS_CONTAINER:
+            return f"taskset {taskset.__name__}: its tasks need a container"
+        if not getattr(taskset, "drivable_again", True):
+            return f"taskset {taskset.__name__} sets drivable_again = False"
+        return None
 
     @classmethod
     def selection_problems(cls, args: dict[str, Any], select: dict[str, Any] | None) -> list[str]:
@@ -387,7 +416,13 @@ class VerifiersEnv(Environment):
         try:
             async with self._serving():
                 (slot,) = env.slots(task, 1)
-                episode = await env.run_slot(slot, context)
+                model.episode = asyncio.ensure_future(env.run_slot(slot, context))
+                try:
+                    episode = await model.episode
+                except asyncio.CancelledError:
+                    if model.stop is None:
+                        raise
+                    raise model.stop from None
         finally:
             unregister_sampler(key)
         if isinstance(model.error, (FatalError, RetryableError, TimeoutError)):

@@ -10,11 +10,17 @@ flight. A rollout that has not ended continues at the next step under that step'
 ids: the prompt plus every token sampled so far, never re-tokenized. Each token records the weights that sampled it
 (`Branch.policy_versions`), and its logprob is the one those weights gave it.
 
-A segment is sampled by driving the env's rollout again: the env renders its prompt, and the first `generate` of
-the rollout returns the tokens sampled so far plus one more segment, or, when the rollout has not ended, stops
-the env there (`SegmentCut`). So an env is driven again with the recorded tokens, making no model call but the
-segment's (its prefill covers the tokens already sampled). Only single-turn envs (`Environment.single_turn`)
-are driven so; `check_partial` refuses the rest in one line.
+A segment is sampled by driving the env's rollout again with what it sampled so far, the sequence of its
+`generate` calls (`Call`): the k-th call of the drive returns the k-th recorded one's completion when that call had
+ended (no model call), and the call that had not ended continues with one more segment from its exact ids (the
+prompt the env renders now plus the call's tokens so far: its prefill covers them). A segment samples at most N
+tokens over the rollout's calls; when they run out before the rollout ends, its `generate` stops the env there
+(`SegmentCut`). So an env's state between turns (tool results, a game's moves, other agents' turns) is rebuilt by
+driving it again, making no model call but the segment's. Each call records a digest of its prompt: a drive that
+renders another prompt for a recorded call (an env that is not a function of its sampled tokens) fails the rollout
+with an error naming the call, instead of continuing a different episode. An env that cannot be driven again (a
+sandbox, tools with side effects: `Environment.drive_again_problem`), an env server, and the other settings
+`check_partial` names are refused in one line.
 
 The rollouts in flight after step s are written with it, atomically, to `steps/<s>/in_flight.json` (`InFlight`),
 before its traces; step s + 1 reads them back, so `train --resume` after a crash continues every one of them
@@ -24,6 +30,7 @@ exactly where it was and the run ends bitwise equal to an uninterrupted one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -32,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from trace_rl.aio import gather_or_cancel
 from trace_rl.config import Config
 from trace_rl.data.trace import NOT_SAMPLED, Trace
-from trace_rl.envs.base import EnvError, Sampler, derive_seed
+from trace_rl.envs.base import EnvError, Sampler, derive_seed, validate_args
 from trace_rl.envs.lookup import load_env, resolve_env_class
 from trace_rl.errors import RefusedError
 from trace_rl.models.runtime import Generation, ModelRuntime
@@ -61,20 +68,33 @@ class InFlightError(RefusedError):
     """An in-flight store a resumed step cannot read: the message names the file and the fix."""
 
 
+class Call(BaseModel):
+    """One `generate` call of a rollout: the prompt it was asked with and what it sampled so far."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt_digest: str  # `prompt_digest` of the prompt ids the env rendered for it
+    token_ids: list[int] = []  # sampled so far, in order
+    logprobs: list[float] = []  # each under the weights that sampled it
+    versions: list[int] = []  # the weights step that sampled each token
+    finish_reason: str | None = None  # None: the call has not ended (it continues in the next segment)
+
+
 class Rollout(BaseModel):
-    """One rollout of the pool: which it is, what it sampled so far and, once it ended, its traces."""
+    """One rollout of the pool: which it is, its generate calls so far and, once it ended, its traces."""
 
     model_config = ConfigDict(extra="forbid")
     origin: int  # the step whose examples it belongs to
     env_index: int
     example_index: int
     rollout: int
-    token_ids: list[int] = []  # sampled so far, in order
-    logprobs: list[float] = []  # each under the weights that sampled it
-    versions: list[int] = []  # the weights step that sampled each token
-    finish_reason: str | None = None  # None: still in flight
-    traces: list[dict] | None = None  # `Trace.to_dict()` of each trace, once the env returned them
+    calls: list[Call] = []  # in the order the env made them
+    traces: list[dict] | None = None  # `Trace.to_dict()` of each trace, once the env returned them; None: in flight
     retries: int = 0
+
+    @property
+    def sampled(self) -> int:
+        """Tokens sampled so far, over every call."""
+        return sum(len(call.token_ids) for call in self.calls)
 
 
 class InFlight(BaseModel):
@@ -105,11 +125,12 @@ def check_partial(config: Config) -> list[str]:
             continue
         try:
             cls = resolve_env_class(env.id)
+            problem = cls.drive_again_problem(validate_args(cls, dict(env.args)))
         except EnvError:
             continue  # check_envs names it
-        if not cls.single_turn:
-            problems.append(f"env.{i}: {key} continues single-turn envs only (env {env.id!r} is not one: its state "
-                            f"between turns cannot be rebuilt yet); remove {key} or train another env")
+        if problem:
+            problems.append(f"env.{i}: {key} continues a rollout by driving its env again with the tokens it "
+                            f"sampled, which env {env.id!r} cannot be ({problem}); remove {key} or train another env")
         if env.drop_uniform_groups:
             problems.append(f"env.{i}.drop_uniform_groups: not supported with {key} yet; remove one of them")
         if config.sampling_for(env).stop:
@@ -118,43 +139,85 @@ def check_partial(config: Config) -> list[str]:
     return problems
 
 
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """A digest of a call's prompt ids (what `Call` records of its prompt)."""
+    return hashlib.blake2b(np.asarray(prompt_ids, np.int64).tobytes(), digest_size=16).hexdigest()
+
+
 class SegmentSampler(Sampler):
-    """The sampler of one rollout's segment: the rollout's first `generate` returns its tokens so far plus at most
-    `tokens` more (sampled once per drive, however often a retry asks again), or raises SegmentCut."""
+    """The sampler of one rollout's segment. The k-th `generate` of a drive (`begin_rollout` starts one: a retry
+    drives the rollout again from its first call) returns the k-th recorded call's completion when that call had
+    ended; the call that had not ended, and a new one, sample at most what is left of the segment's `tokens`
+    (sampled once per drive, however often a retry asks again) and raise SegmentCut when it ran out first."""
 
     def __init__(self, runtime: ModelRuntime, config: Config, env_index: int, record: Rollout, seed: int,
                  tokens: int):
         env = config.env[env_index]
         super().__init__(runtime, config.sampling_for(env), seed, timeout_s=config.inference.request_timeout_s)
         self.record = record
-        self.tokens = tokens
-        self.prompt: list[int] | None = None
-        self.advanced = False
+        self.left = tokens  # of the segment
+        self.next_call = 0
+
+    def begin_rollout(self) -> None:
+        self.next_call = 0
 
     async def generate(self, prompt_ids: list[int], *, seed: int) -> Generation:
-        if self.prompt is not None and self.prompt != list(prompt_ids):
-            raise EnvError("a second turn: partial rollouts continue single-turn envs only")
-        self.prompt = list(prompt_ids)
-        record = self.record
-        if not self.advanced and record.finish_reason is None:
-            context = self.prompt + record.token_ids
-            left = min(self.sampling.max_completion_tokens - len(record.token_ids),
-                       self.runtime.config.max_model_len - len(context))  # what the whole turn may still sample
-            if left > 0:
-                segment = await super().generate(context, seed=derive_seed(seed, "segment", len(record.versions)),
-                                                 max_tokens=min(self.tokens, left))
-                record.token_ids += segment.token_ids
-                record.logprobs += [float(np.float32(p)) for p in segment.logprobs]
-                record.versions += [int(self.runtime.policy_step)] * len(segment.token_ids)
-                left -= len(segment.token_ids)
-                if segment.finish_reason != "length":
-                    record.finish_reason = segment.finish_reason
-            if record.finish_reason is None and left <= 0:
-                record.finish_reason = "length"
-            self.advanced = True
-        if record.finish_reason is None:
+        index, self.next_call = self.next_call, self.next_call + 1
+        digest = prompt_digest(prompt_ids)
+        calls = self.record.calls
+        if index < len(calls) and calls[index].prompt_digest != digest:
+            raise EnvError(f"generate call {index + 1} of the rollout rendered another prompt than when it was "
+                           "sampled: the env is not a function of the tokens it sampled, so partial rollouts cannot "
+                           "continue it (set drivable_again = False on its class)")
+        if index == len(calls):
+            if self.left <= 0:
+                raise SegmentCut
+            calls.append(Call(prompt_digest=digest))
+        call = calls[index]
+        if call.finish_reason is None and self.left > 0:
+            await self.advance(call, list(prompt_ids))
+        if call.finish_reason is None:
             raise SegmentCut
-        return Generation(list(record.token_ids), list(record.logprobs), record.finish_reason)
+        return Generation(list(call.token_ids), list(call.logprobs), call.finish_reason)
+
+    async def advance(self, call: Call, prompt_ids: list[int]) -> None:
+        """Sample the call's next tokens, at most what is left of the segment, from its exact ids."""
+        context = prompt_ids + call.token_ids
+        room = min(self.sampling.max_completion_tokens - len(call.token_ids),
+                   self.runtime.config.max_model_len - len(context))  # what the whole call may still sample
+        if room > 0:
+            segment = await super().generate(context, max_tokens=min(self.left, room),
+                                             seed=derive_seed(self.seed, "segment", self.record.sampled))
+            call.token_ids += segment.token_ids
+            call.logprobs += [float(np.float32(p)) for p in segment.logprobs]
+            call.versions += [int(self.runtime.policy_step)] * len(segment.token_ids)
+            self.left -= len(segment.token_ids)
+            room -= len(segment.token_ids)
+            if segment.finish_reason != "length":
+                call.finish_reason = segment.finish_reason
+        if call.finish_reason is None and room <= 0:
+            call.finish_reason = "length"
+
+
+def record_versions(traces: list[Trace], record: Rollout, env_name: str) -> None:
+    """Set each branch's `policy_versions` from the rollout's calls: each run of sampled tokens is the completion of
+    the call whose prompt is the branch's tokens before it (EnvError when no call is)."""
+    calls: dict[str, list[Call]] = {}
+    for call in record.calls:
+        calls.setdefault(call.prompt_digest, []).append(call)
+    for trace in traces:
+        for branch in trace.branches:
+            versions = np.full(len(branch), NOT_SAMPLED, np.int32)
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], branch.sampled.astype(np.int8), [0]])))
+            for start, end in zip(edges[::2], edges[1::2]):
+                matching = calls.get(prompt_digest(branch.token_ids[:start].tolist()), [])
+                call = matching.pop(0) if matching else None
+                if call is None or call.token_ids != branch.token_ids[start:end].tolist():
+                    raise EnvError(f"env {env_name!r}: trace {trace.agent!r} branch {branch.index} holds {end - start} "
+                                   f"sampled tokens at {start} that no generate call of its rollout sampled after "
+                                   "the tokens before them")
+                versions[start:end] = call.versions
+            branch.policy_versions = versions
 
 
 def in_flight_path(storage: RunStorage, step: int) -> str:
@@ -207,7 +270,7 @@ async def play_partial_rollouts(config: Config, runtimes: Mapping[str, ModelRunt
     names = env_names(config)
     envs = [load_env(e.id, e.args, e.import_paths, e.verifiers_server) for e in config.env]
     pool = read_in_flight(storage, step - 1) + new_rollouts(config, step)
-    carried = {id(r): len(r.token_ids) for r in pool}
+    carried = {id(r): r.sampled for r in pool}
     examples: dict[tuple[int, int], list] = {}
 
     def example_of(record: Rollout):
@@ -231,17 +294,9 @@ async def play_partial_rollouts(config: Config, runtimes: Mapping[str, ModelRunt
             except SegmentCut:
                 return
         group_id = f"step{record.origin}-{names[record.env_index]}-{example.id}"
-        for trace in traces:
-            for branch in trace.branches:
-                if branch.sampled.sum() != len(record.versions):
-                    raise EnvError(f"env {names[record.env_index]!r}: a branch of {int(branch.sampled.sum())} "
-                                   f"sampled tokens from a rollout that sampled {len(record.versions)}")
-                versions = np.full(len(branch), NOT_SAMPLED, np.int32)
-                versions[branch.sampled] = record.versions
-                branch.policy_versions = versions
-        newest = max(record.versions, default=int(runtime.policy_step))
+        record_versions(traces, record, names[record.env_index])
+        newest = max((v for call in record.calls for v in call.versions), default=int(runtime.policy_step))
         label(traces, config.env[record.env_index].id, names[record.env_index], group_id, record.rollout, newest)
-        record.finish_reason = record.finish_reason or "error"
         record.traces = [trace.to_dict() for trace in traces]
         record.retries = retries
 

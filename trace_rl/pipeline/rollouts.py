@@ -95,6 +95,7 @@ async def run_rollout(
     """The rollout's traces and how many retries it took; on failure one trace carrying the error."""
     for attempt in range(max_retries + 1):
         try:
+            sampler.begin_rollout()
             traces = await env.rollout(example, sampler)
             if not traces or not all(isinstance(t, Trace) for t in traces):
                 raise TypeError(f"{type(env).__name__}.rollout must return a non-empty list of Trace")
