@@ -506,7 +506,7 @@ class AsyncConfig(Strict):
     partial_rollout_tokens: int | None = Field(
         None, ge=1, description="N: partial rollouts: keep rollouts in flight across steps, each advanced in "
         "segments of at most N sampled tokens; a step trains each env's batch_size groups that ended first, the "
-        "others continue next step under the new weights (single-turn envs; docs/async.md). Unset: every rollout "
+        "others continue next step under the new weights (envs played in-process that can be driven again; docs/async.md). Unset: every rollout "
         "of a step is sampled to its end")
     stale_tokens: Literal["mask", "drop"] = Field(
         "mask", description="a token sampled by weights more than max_off_policy_steps steps older than those "

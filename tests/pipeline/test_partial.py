@@ -256,6 +256,10 @@ class SandboxEnv(ReverseText):
       "env": [{"id": "tests.pipeline.test_partial:SandboxEnv", "batch_size": 2, "group_size": 2}]},
      "env.0: async.partial_rollout_tokens continues a rollout by driving its env again with the tokens it sampled, "
      "which env 'tests.pipeline.test_partial:SandboxEnv' cannot be (SandboxEnv sets drivable_again = False)"),
+    ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
+      "env": [{"id": "verifiers", "batch_size": 2, "group_size": 2, "args": {"taskset": {"id": "sandboxed_tasks"}},
+               "import_paths": [str(Path(__file__).resolve().parents[1] / "envs" / "verifiers_tasksets")]}]},
+     "which env 'verifiers' cannot be (taskset SandboxedTaskset sets drivable_again = False)"),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4}, "sampling": {"stop": ["\n"]}},
      "env.0 sampling.stop: a stop string may span a cut"),
 ])

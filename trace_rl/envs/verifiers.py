@@ -296,11 +296,17 @@ class VerifiersEnv(Environment):
     @classmethod
     def drive_again_problem(cls, options: BaseModel) -> str | None:
         """A seat whose harness runs code in its runtime, a task that needs a container, or a taskset class that
-        sets `drivable_again = False` (tools with side effects): driving an episode again would repeat them."""
+        sets `drivable_again = False` (tools with side effects): driving an episode again would repeat them. And
+        verifiers' own retries, which start an episode's calls over within one drive."""
         try:
             env = cls(options.model_dump()).vf_env
         except EnvError:
             return None  # check_config names it
+        retries = [("args.retries", env.config.retries),
+                   *((f"args.{name}.retries", seat.retries) for name, seat in env._agent_specs.items())]
+        for where, config in retries:
+            if config.max_retries or any(rule.max_retries for rule in config.rules):
+                return f"{where}: verifiers' retries start an episode's calls over; leave them out"
         for name, harness in env._harnesses.items():
             if type(harness).EXECUTES_CODE:
                 return f"args.{name}: harness {type(harness).__name__} runs code in its runtime"
