@@ -1,6 +1,6 @@
 """Partial rollouts (`[async] partial_rollout_tokens`) on the transformers sampler and the tiny model: a rollout cut
-and continued under newer weights (single-turn, multi-turn, two agents, a verifiers env), the step's choice of ended groups and its in-flight store, stale tokens masked
-or dropped, and the configs refused. The SIGKILL + resume of a run with rollouts in flight:
+and continued under newer weights (single-turn, multi-turn, two agents, a verifiers env), the step's choice of ended
+groups and its in-flight store, stale tokens masked or dropped, and the configs refused. The SIGKILL + resume of a run with rollouts in flight:
 tests/flows/test_crash_resume.py::test_async_run_with_partial_rollouts_killed_...
 """
 
@@ -254,8 +254,8 @@ class SandboxEnv(ReverseText):
     ({"async": {"partial_rollout_tokens": 4}}, "set async.max_off_policy_steps >= 1"),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
       "env": [{"id": "tests.pipeline.test_partial:SandboxEnv", "batch_size": 2, "group_size": 2}]},
-     "env.0: async.partial_rollout_tokens continues a rollout by driving its env again with the tokens it sampled, "
-     "which env 'tests.pipeline.test_partial:SandboxEnv' cannot be (SandboxEnv sets drivable_again = False)"),
+     ("env.0: async.partial_rollout_tokens continues a rollout by driving its env again with the tokens it sampled, "
+      "which env 'tests.pipeline.test_partial:SandboxEnv' cannot be (SandboxEnv sets drivable_again = False)")),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
       "env": [{"id": "verifiers", "batch_size": 2, "group_size": 2, "args": {"taskset": {"id": "sandboxed_tasks"}},
                "import_paths": [str(Path(__file__).resolve().parents[1] / "envs" / "verifiers_tasksets")]}]},

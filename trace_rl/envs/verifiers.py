@@ -186,7 +186,7 @@ class RolloutModel:
             raise
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # verifiers' request handler would only re-raise it to its HTTP server
+        except BaseException as exc:  # noqa: BLE001 - verifiers' request handler would re-raise it to its HTTP server
             self.stop = self.stop or exc
             if self.episode is not None:
                 self.episode.cancel()
