@@ -167,8 +167,9 @@ class SegmentSampler(Sampler):
         calls = self.record.calls
         if index < len(calls) and calls[index].prompt_digest != digest:
             raise EnvError(f"generate call {index + 1} of the rollout rendered another prompt than when it was "
-                           "sampled: the env is not a function of the tokens it sampled, so partial rollouts cannot "
-                           "continue it (set drivable_again = False on its class)")
+                           "sampled: the env is not a function of its example and the tokens it sampled, so partial "
+                           "rollouts cannot continue it; make it one (sample its turns one after another), or set "
+                           "drivable_again = False on its class to refuse partial rollouts for it")
         if index == len(calls):
             if self.left <= 0:
                 raise SegmentCut
