@@ -17,6 +17,8 @@ from tests.flows.conftest import small_config
 from tests.inference.conftest import save_updated_model, trainer_logprobs
 from trace_rl.config import Config, ConfigError, parse_config
 from trace_rl.data.sample import TrainingSample
+from trace_rl.data.trace import Message
+from trace_rl.envs.base import Environment, Example
 from trace_rl.envs.lookup import load_env
 from trace_rl.envs.reverse_text import ReverseText
 from trace_rl.inference.build import build_runtime
@@ -164,6 +166,34 @@ def test_a_multi_turn_rollout_continues_between_and_within_turns_each_logprob_it
     assert runs == turns  # each call's completion is one run of sampled tokens, its versions recorded
     spanning = [call for call in record.calls if len(set(call.versions)) == 2]
     assert spanning, "no call was continued under other weights: change the budget or the seed"
+
+
+class CountingEnv(Environment):
+    """An env whose prompt says how often it was played: not a function of its example and sampled tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.plays = 0
+
+    async def rollout(self, example, sampler):
+        self.plays += 1
+        conversation = sampler.conversation([Message(role="user", content=f"Play {self.plays}.")])
+        await conversation.sample()
+        return [self.trace(example, conversation)]
+
+
+def test_a_drive_that_renders_another_prompt_for_a_recorded_call_fails_its_rollout(runtime, tmp_path):
+    config = partial_config(str(tmp_path), "drift", sampling={"max_completion_tokens": 10})
+    env, record = CountingEnv(), Rollout(origin=1, env_index=0, example_index=0, rollout=0)
+    example = Example(id="e")
+    with pytest.raises(SegmentCut):
+        asyncio.run(run_rollout(env, example, SegmentSampler(runtime, config, 0, record, seed=1, tokens=3),
+                                max_retries=0, backoff_s=0))
+    (trace,), _ = asyncio.run(run_rollout(env, example, SegmentSampler(runtime, config, 0, record, seed=1, tokens=3),
+                                          max_retries=0, backoff_s=0))
+    assert trace.error.startswith("EnvError: generate call 1 of the rollout rendered another prompt than when it was "
+                                  "sampled")
+    assert len(record.calls[0].token_ids) == 3  # nothing sampled for another episode
 
 
 def run_steps(config: Config, runtime, storage: RunStorage, steps, updated_dir: str, tiny_model_path: str) -> dict:
