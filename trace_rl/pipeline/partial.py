@@ -92,7 +92,7 @@ class Rollout(BaseModel):
     retries: int = 0
 
     @property
-    def sampled(self) -> int:
+    def sampled_tokens(self) -> int:
         """Tokens sampled so far, over every call."""
         return sum(len(call.token_ids) for call in self.calls)
 
@@ -188,7 +188,7 @@ class SegmentSampler(Sampler):
                    self.runtime.config.max_model_len - len(context))  # what the whole call may still sample
         if room > 0:
             segment = await super().generate(context, max_tokens=min(self.left, room),
-                                             seed=derive_seed(self.seed, "segment", self.record.sampled))
+                                             seed=derive_seed(self.seed, "segment", self.record.sampled_tokens))
             call.token_ids += segment.token_ids
             call.logprobs += [float(np.float32(p)) for p in segment.logprobs]
             call.versions += [int(self.runtime.policy_step)] * len(segment.token_ids)
@@ -271,7 +271,7 @@ async def play_partial_rollouts(config: Config, runtimes: Mapping[str, ModelRunt
     names = env_names(config)
     envs = [load_env(e.id, e.args, e.import_paths, e.verifiers_server) for e in config.env]
     pool = read_in_flight(storage, step - 1) + new_rollouts(config, step)
-    carried = {id(r): r.sampled for r in pool}
+    carried = {id(r): r.sampled_tokens for r in pool}
     examples: dict[tuple[int, int], list] = {}
 
     def example_of(record: Rollout):
