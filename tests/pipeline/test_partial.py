@@ -207,14 +207,19 @@ def run_steps(config: Config, runtime, storage: RunStorage, steps, updated_dir: 
     return out
 
 
+@pytest.mark.parametrize("env, agents", [
+    ({"id": "reverse-text"}, 1),
+    ({"id": "number-debate", "args": {"rounds": 1}}, 2),  # two agents, a turn each: continued between turns too
+])
 def test_each_step_trains_batch_size_ended_groups_oldest_first_and_continues_the_rest(
-        stop_runtime, updated_dir, tiny_model_path, tmp_path):
-    config = partial_config(str(tmp_path), "steps", model={"name": tiny_model_path, "stop_tokens": STOP_TOKENS})
+        stop_runtime, updated_dir, tiny_model_path, tmp_path, env, agents):
+    config = partial_config(str(tmp_path), "steps", model={"name": tiny_model_path, "stop_tokens": STOP_TOKENS},
+                            env=[{**env, "batch_size": 2, "group_size": 4}])
     storage = RunStorage(config.storage, config.name)
     steps = run_steps(config, stop_runtime, storage, (1, 2, 3, 4), updated_dir, tiny_model_path)
     for step, (traces, summary) in steps.items():
         groups = list(dict.fromkeys(t.group_id for t in traces))
-        assert len(groups) == 2 and len(traces) == 8, step  # batch_size groups of group_size, whole
+        assert len(groups) == 2 and len(traces) == 8 * agents, step  # batch_size groups of group_size, whole
         origins = [int(g.split("-")[0][4:]) for g in groups]
         assert origins == sorted(origins) and max(origins) <= step + 1
         assert summary.in_flight == 16 - 8  # two steps of groups in the pool, one step's trained
@@ -229,6 +234,7 @@ def test_each_step_trains_batch_size_ended_groups_oldest_first_and_continues_the
     # a step sampled again from the stored rollouts of the step before (a resume) samples the same traces
     again = run_steps(config, stop_runtime, storage, (3, 4), updated_dir, tiny_model_path)
     for step in (3, 4):
+        assert len(again[step][0]) == len(steps[step][0])
         assert all(a.equals(b) for a, b in zip(again[step][0], steps[step][0]))
         assert again[step][1] == steps[step][1]
 
