@@ -206,14 +206,30 @@ def test_bfloat16_keeps_float32_master_weights_that_learn(make_config):
     assert moved / sum(w.numel() for w in weights.values()) > 0.25
 
 
-def test_only_a_half_precision_dtype_turns_autocast_on(make_config):
+def test_a_half_precision_step_runs_on_a_compute_copy_not_under_autocast(make_config):
     config = make_config()
     trainer = Trainer(config, storage_for(config))
+    assert trainer.compute is None and trainer.compute_model is trainer.model
     with trainer._autocast():
         assert not torch.is_autocast_enabled("cpu")  # float32: the computation of a plain float32 model
-    trainer.dtype = torch.bfloat16
+    config.model.dtype = "bfloat16"
+    trainer = Trainer(config, storage_for(config))
     with trainer._autocast():
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert not torch.is_autocast_enabled("cpu")  # the copy's parameters are bfloat16 already
+    # every parameter of the copy in bfloat16 (the tied embedding and output layer still one), the buffers
+    # (rotary frequencies) float32, as in the sampler's bfloat16 model
+    copy = trainer.compute_model
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in copy.buffers() if b.is_floating_point()} == {torch.float32}
+    assert copy.get_output_embeddings().weight is copy.get_input_embeddings().weight
+    assert {p.dtype for p in trainer.module.parameters()} == {torch.float32}
+    # a step: the master weights get float32 gradients that equal the copy's, the copy holds none after it
+    trainer.optimizer_step(0, make_batch(10))
+    assert all(p.grad is None for p in copy.parameters())
+    pairs = list(zip(trainer.module.parameters(), copy.parameters()))
+    assert not all(torch.equal(half, master.to(torch.bfloat16)) for master, half in pairs)  # AdamW moved the master
+    trainer.compute.refresh()  # the next step's copy: the updated master weights, rounded
+    assert all(torch.equal(half, master.to(torch.bfloat16)) for master, half in pairs)
 
 
 def test_truncated_importance_sampling_reports_the_capped_fraction(make_config):

@@ -11,11 +11,40 @@ float32 logits, the products accumulated in float32); trace-rl does the same eve
 Products of half-precision values are exact in float32, so this is the half-precision inputs'
 exact logits up to float32 summation: no logit rounding on either side. The backward pass stays in
 `d` (what the half-precision head's backward was), so only the forward costs float32 FLOPs.
+
+float32(round_d(W)) of the trainer's compute copy and of a sampler's model is made once per value of the
+weight (`keep_float32_copy`): the output layer is read by every chunk of positions, again when a chunk is
+recomputed in backward, and by every decoding step, and its cast (151,936 x 896 at Qwen2.5-0.5B's shape:
+0.8 GB of memory traffic) costs about what a chunk's matmul does on hardware with bfloat16 matmuls.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# id(weight) -> [its version when cast (-1: not yet), its float32 copy] for the weights of `keep_float32_copy`
+FLOAT32_COPIES: dict[int, list] = {}
+
+
+def keep_float32_copy(weight: torch.Tensor) -> None:
+    """Let `float32_copy` keep `weight`'s float32 copy until `weight` is written in place (`copy_`, an optimizer:
+    what moves its version counter). Only for such a weight: FSDP2 refills its unsharded parameters without
+    moving their versions."""
+    if id(weight) not in FLOAT32_COPIES:
+        FLOAT32_COPIES[id(weight)] = [-1, None]
+        weakref.finalize(weight, FLOAT32_COPIES.pop, id(weight), None)
+
+
+def float32_copy(weight: torch.Tensor) -> torch.Tensor:
+    """`weight.float()`; for a weight of `keep_float32_copy`, cast again only when its version moved."""
+    kept = FLOAT32_COPIES.get(id(weight))
+    if kept is None:
+        return weight.float()
+    if kept[0] != weight._version:
+        kept[:] = [weight._version, weight.detach().float()]
+    return kept[1]
 
 
 class HalfInputFloatLogits(torch.autograd.Function):
@@ -25,7 +54,7 @@ class HalfInputFloatLogits(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
-            return hidden.float() @ weight.float().t()
+            return hidden.float() @ float32_copy(weight).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,4 +85,5 @@ def use_float32_head(model: torch.nn.Module) -> None:
     output embeddings' result), for a sampler. An adapted head keeps its own."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear and head.bias is None and head.weight.dtype != torch.float32:
+        keep_float32_copy(head.weight)
         head.register_forward_hook(lambda module, args, output: float32_logits(module, args[0], module.weight.dtype))

@@ -3,8 +3,9 @@
 Works in one process or as one rank of a `torch.distributed` job (DDP or FSDP2),
 on CPU or CUDA: the device comes from `trainer.device`. Parameters, gradients and
 optimizer state are always float32 (the master weights); `model.dtype` bfloat16 or
-float16 runs the forward and backward under `torch.autocast` in that dtype, and the
-exported weights are cast to it.
+float16 runs the forward and backward in that dtype, on a copy of the weights cast once
+per step in one process (`trace_rl.trainer.compute_copy`), on FSDP2's half-precision
+blocks, or under `torch.autocast` with DDP; the exported weights are cast to it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks
 from trace_rl.models.dtype import resolved_dtype
 from trace_rl.models.float32_head import compute_dtype, float32_logits
 from trace_rl.trainer.attention import PACKED_ATTENTIONS, choose_attention
+from trace_rl.trainer.compute_copy import ComputeCopy
 
 logger = logging.getLogger(__name__)
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -314,6 +316,9 @@ class Trainer:
             self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.module.train()
         self.model = self._parallelize(self.module)
+        # FSDP2 computes in the half dtype itself (mixed_precision); DDP syncs the master's gradients: autocast
+        self.compute = ComputeCopy(self.module, self.dtype) if self.dtype != torch.float32 and not self.distributed \
+            else None
 
         t = config.trainer
         self.optimizer = torch.optim.AdamW(
@@ -325,6 +330,11 @@ class Trainer:
         self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpoint.WRITER.wait())
         self.step: int | None = None
         self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
+
+    @property
+    def compute_model(self) -> torch.nn.Module:
+        """The model the forward and backward run on: the compute copy where there is one, else `model`."""
+        return self.model if self.compute is None else self.compute.module
 
     def _parallelize(self, module: torch.nn.Module) -> torch.nn.Module:
         if not self.distributed:
@@ -357,12 +367,14 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _autocast(self):
-        """Forward (and so backward) in `model.dtype` on float32 parameters; nothing to do in float32.
+        """Forward (and so backward) in `model.dtype` on float32 parameters (DDP; under FSDP2 its blocks' parameters
+        are in `model.dtype` already); nothing to do in float32 and on the compute copy.
 
         No gradient scaler for float16: gradients too small for float16 (below ~6e-8) flush
         to zero. bfloat16 has float32's range and is the dtype to use where the GPU has it.
         """
-        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        enabled = self.dtype != torch.float32 and self.compute is None
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=enabled)
 
     def _all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -417,12 +429,14 @@ class Trainer:
         scales = {"rl": rl_tokens, "ce": ce_tokens, "rl_sequences": rl_sequences, "ce_sequences": ce_sequences}
 
         self.optimizer.zero_grad(set_to_none=True)
+        if self.compute is not None:
+            self.compute.refresh()
         totals: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         for i, batch in enumerate(mine):
             with self._gradient_sync(i == len(mine) - 1):
                 with self._autocast():
-                    lp, entropy = token_logprobs(self.model, batch, self.device, self.logprob_chunk)
+                    lp, entropy = token_logprobs(self.compute_model, batch, self.device, self.logprob_chunk)
                 on_device = {name: torch.from_numpy(getattr(batch, name)).to(self.device) for name in CHANNEL_FIELDS}
                 loss, metrics = compute_loss(
                     lp, on_device["inference_logprobs"],
@@ -432,6 +446,8 @@ class Trainer:
                 )
                 # DDP and FSDP average gradients over ranks; the scales already sum over ranks
                 (loss * self.world_size).backward()
+            if self.compute is not None:
+                self.compute.add_gradients()
             losses.append(torch.stack([metrics[f"loss/{name}"] for name in self.loss_names]))
             loss_mask = on_device["rl_mask"] | on_device["ce_mask"]
             metrics["entropy"] = (entropy * loss_mask).sum() / max(loss_tokens, 1.0)
