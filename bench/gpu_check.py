@@ -26,6 +26,9 @@ It needs CUDA, torch, transformers, peft, safetensors and fsspec, plus pydantic 
 forward only: torch has no FlexAttention backward on CPU), run by the test suite so the check
 cannot rot.
 
+Where a step's time goes, op by op and dtype by dtype, against its bfloat16 floor: `python -m bench.bf16_profile
+--profile` (not run here: it takes a few minutes more).
+
     make gpu-check                                           # CUDA: writes bench/RESULTS-gpu.md
     python -m bench.gpu_check --cpu --out /tmp/gpu-check.md  # CPU, toy shapes
 """
@@ -158,12 +161,14 @@ def check_attention(device: torch.device, vocab: int) -> list[dict]:
 
 # -- 2. gradients against float32 ------------------------------------------------------------
 def logprob_gradients(trainer: Trainer, batch, weights: torch.Tensor, chunk_size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of the batch and the flat gradient of sum(weights * logprobs) over the trainable parameters."""
-    trainer.model.zero_grad(set_to_none=True)
+    """Logprobs of the batch and the flat gradient of sum(weights * logprobs) over the trainable parameters of the
+    model the trainer computes on (its bfloat16 compute copy in one process)."""
+    model = trainer.compute_model
+    model.zero_grad(set_to_none=True)
     with trainer._autocast():
-        lp, _ = token_logprobs(trainer.model, batch, trainer.device, chunk_size)
+        lp, _ = token_logprobs(model, batch, trainer.device, chunk_size)
     (lp * weights).sum().backward()
-    grads = [p.grad.double().flatten() for p in trainer.module.parameters() if p.grad is not None]
+    grads = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
     return lp.detach().float(), torch.cat(grads)
 
 
@@ -267,7 +272,7 @@ def check_sampler(model: str, storage: str, dtype: str, attention: str, shape: d
     trainer = Trainer(config, RunStorage.of(config))
     batch = sampled_batch(prompts, generations)
     with torch.no_grad(), trainer._autocast():
-        lp, _ = token_logprobs(trainer.model, batch, trainer.device)
+        lp, _ = token_logprobs(trainer.compute_model, batch, trainer.device)
     gap = np.abs(lp.float().cpu().numpy() - batch.inference_logprobs)[batch.rl_mask]
     return {"samples": len(prompts), "completion_tokens": completion_tokens, "seconds": seconds,
             "tokens_per_s": completion_tokens / seconds, "gap_mean": float(gap.mean()), "gap_max": float(gap.max())}

@@ -1,7 +1,8 @@
 """The sampler-trainer logprob gap per dtype: what the hf sampler records against what the trainer computes.
 
 Both sides hold the same weights: the sampler a `model.dtype` copy (what `weights/<step>/` holds),
-the trainer float32 master weights under autocast in `model.dtype` (trace_rl.trainer). The
+the trainer float32 master weights and, in a half dtype, the copy of them in that dtype that it
+computes on (`trace_rl.trainer.compute_copy`). The
 sampler decodes `--samples` completions of `--tokens` tokens at temperature 1 after random
 prompts (KV cache, left-padded batch: the hf sampler's own `decode_batch`); the trainer scores
 them as one packed micro-batch (`token_logprobs`). Reported over the sampled tokens: mean and max
@@ -31,6 +32,7 @@ from trace_rl.inference.hf_decode import Request, decode_batch
 from trace_rl.models.float32_head import use_float32_head
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.trainer import trainer as trainer_module
+from trace_rl.trainer.compute_copy import ComputeCopy
 from trace_rl.trainer.packing import MicroBatch, collate
 from trace_rl.trainer.varlen import PACKED_ATTENTION
 
@@ -39,7 +41,7 @@ SETTINGS = {"float32": ("float32", True), "bfloat16, bfloat16 head": ("bfloat16"
 
 
 def half_precision_head(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output layer as autocast runs it: logits rounded to the compute dtype (the 'bfloat16 head' setting)."""
+    """The output layer in the compute dtype: logits rounded to it (the 'bfloat16 head' setting)."""
     return head(hidden).float()
 
 
@@ -71,10 +73,12 @@ def score(path: str, dtype: torch.dtype, float32_head: bool, prompts, generation
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
+    if dtype != torch.float32:
+        model = ComputeCopy(model, dtype).module
     batch = sampled_batch(prompts, generations)
     head = contextlib.nullcontext() if float32_head else mock.patch.object(
         trainer_module, "float32_logits", half_precision_head)
-    with torch.no_grad(), head, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+    with torch.no_grad(), head:
         lp, _ = trainer_module.token_logprobs(model, batch, torch.device("cpu"))
     return (lp.numpy() - batch.inference_logprobs)[batch.rl_mask]
 

@@ -90,7 +90,7 @@ class ModelConfig(Strict):
         None, description="for an HF id: branch, tag or commit hash of the snapshot every process loads "
         "(default 'main'; a commit hash pins it); ignored for 'tiny' and local directories")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="the sampler's weights and the trainer's compute (autocast) and export dtype; "
+        "float32", description="the sampler's weights and the trainer's compute (a copy of its weights in that dtype) and export dtype; "
         "the trainer's master weights stay float32. auto: bfloat16 when the trainer runs on CUDA or on a CPU with "
         "AMX or AVX512-BF16, float32 elsewhere (docs/trainer.md)")
     stop_tokens: list[str] | None = Field(
