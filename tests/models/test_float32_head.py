@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trace_rl.inference.vllm_engine import engine_arguments
-from trace_rl.models.float32_head import float32_logits, use_float32_head
+from trace_rl.models.float32_head import float32_copy, float32_logits, keep_float32_copy, use_float32_head
 from trace_rl.models.runtime import RuntimeConfig
 
 
@@ -62,3 +62,14 @@ def test_a_half_precision_vllm_engine_computes_its_head_in_float32(dtype, overri
     config = RuntimeConfig(key="policy", name="m", backend="vllm", dtype=dtype, cpu_kv_cache_gb=0.25)
     for is_cpu in (True, False):
         assert engine_arguments(config, is_cpu=is_cpu).get("hf_overrides") == overrides
+
+
+def test_a_kept_float32_copy_is_cast_again_only_after_its_weight_is_written():
+    weight = torch.randn(8, 4).to(torch.bfloat16)
+    assert float32_copy(weight) is not float32_copy(weight)  # not kept: cast at each call
+    keep_float32_copy(weight)
+    first = float32_copy(weight)
+    assert first is float32_copy(weight) and torch.equal(first, weight.float())
+    with torch.no_grad():
+        weight.copy_(torch.randn(8, 4))  # a refresh of the compute copy, a sampler's weight update
+    assert torch.equal(float32_copy(weight), weight.float()) and not torch.equal(first, weight.float())
