@@ -73,3 +73,23 @@ def test_a_kept_float32_copy_is_cast_again_only_after_its_weight_is_written():
     with torch.no_grad():
         weight.copy_(torch.randn(8, 4))  # a refresh of the compute copy, a sampler's weight update
     assert torch.equal(float32_copy(weight), weight.float()) and not torch.equal(first, weight.float())
+
+
+def test_the_hf_sampler_scores_with_the_weights_it_loaded_last(tiny_model_path, tmp_path):
+    """The kept float32 copy of the sampler's output layer follows a weight broadcast (`HFRuntime.load_weights`)."""
+    from transformers import AutoModelForCausalLM
+
+    from trace_rl.inference.hf import HFRuntime
+
+    runtime = HFRuntime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf", dtype="bfloat16"))
+    ids = torch.tensor([[5, 17, 99, 3, 250, 12]])
+    with torch.no_grad():
+        before = runtime.model(ids).logits
+        updated = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+        updated.get_input_embeddings().weight.mul_(1.5)  # tied: the output layer too
+        updated.save_pretrained(tmp_path)
+        runtime._load_weights(str(tmp_path), 1)
+        after = runtime.model(ids).logits
+        use_float32_head(updated)
+        expected = updated(ids).logits
+    assert torch.equal(after, expected) and not torch.equal(after, before)
