@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomli_w
 
 from tests.data.test_trace import make_branch, make_trace
 from tests.flows.conftest import small_config
 from tests.inference.conftest import save_updated_model, trainer_logprobs
-from trace_rl.config import Config, ConfigError, parse_config
+from trace_rl.config import Config
 from trace_rl.data.sample import TrainingSample
 from trace_rl.data.trace import Message
 from trace_rl.envs.base import Environment, Example
@@ -34,7 +35,6 @@ from trace_rl.pipeline.partial import (
 )
 from trace_rl.pipeline.rollouts import run_rollout
 from trace_rl.pipeline.token_age import age_metrics, drop_stale, mask_stale
-from trace_rl.runs.loading import check_config
 from trace_rl.storage import RunStorage
 
 VERIFIERS_TASKSETS = str(Path(__file__).resolve().parents[2] / "configs" / "verifiers")  # the shipped tasksets
@@ -298,8 +298,16 @@ class SandboxEnv(ReverseText):
      "which env 'verifiers' cannot be (taskset SandboxedTaskset sets drivable_again = False)"),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4}, "sampling": {"stop": ["\n"]}},
      "env.0 sampling.stop: a stop string may span a cut"),
+    ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
+      "inference": {"backend": "vllm", "base_url": "http://127.0.0.1:9"},
+      "env": [{"id": "verifiers", "server": "tcp://127.0.0.1:9", "batch_size": 2, "group_size": 2}]},
+     "env.0.server: async.partial_rollout_tokens does not continue episodes a verifiers env server plays"),
 ])
-def test_partial_rollouts_it_cannot_continue_are_refused_in_one_line(tmp_path, change, problem):
-    with pytest.raises(ConfigError) as refused:
-        check_config(parse_config(small_config(str(tmp_path), "refused", **change)))
-    assert any(problem in line and "\n" not in line for line in refused.value.problems), refused.value.problems
+def test_partial_rollouts_it_cannot_continue_are_refused_in_one_line_by_the_cli(tmp_path, capsys, change, problem):
+    from flows.cli import main
+
+    config = tmp_path / "refused.toml"
+    config.write_text(tomli_w.dumps(small_config(str(tmp_path), "refused", **change)))
+    assert main(["train", str(config), "--dry-run"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert any(problem in line for line in lines) and all(line.startswith("error: ") for line in lines), lines

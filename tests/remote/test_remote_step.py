@@ -19,19 +19,19 @@ STAGES = ["sample_rollouts", "position_signal", "validate_dimensions", "aggregat
           "broadcast_weights"]
 
 
-def remote_config(storage: str, name: str, server: str, **remote):
+def remote_config(storage: str, name: str, server: str, steps: int = 1, **overrides):
     return validate_config(small_config(
-        storage, name, steps=1,
+        storage, name, steps=steps,
         env=[{"id": "reverse-text", "batch_size": 2, "group_size": 4, "server": server,
               "algorithms": [{"id": "position_signal", "scale": SCALE}]}],
-        remote={"token_env": TOKEN_ENV, "timeout_s": 60, **remote},
+        remote={"token_env": TOKEN_ENV, "timeout_s": 60}, **overrides,
     ))
 
 
-def assert_batch_holds_the_remote_values(config):
+def assert_batch_holds_the_remote_values(config, step: int = 1):
     storage = RunStorage(config.storage, config.name)
-    branches = {(t.id, b.index): b for t in read_traces(storage, 1) for b in t.branches}
-    samples = read_batch(storage, 1)
+    branches = {(t.id, b.index): b for t in read_traces(storage, step) for b in t.branches}
+    samples = read_batch(storage, step)
     assert len(samples) == len(branches) == 8  # every branch of 2 examples x 4 rollouts
     for sample in samples:
         branch = branches[(sample.trace_id, sample.branch_index)]
@@ -51,6 +51,22 @@ def test_a_training_step_trains_on_the_env_servers_channel_values(prefect_api, t
     assert_batch_holds_the_remote_values(config)
     [run] = step_runs(prefect_api, "remote-values")
     assert run["tasks"] == [(name, "Completed") for name in STAGES]
+
+
+def test_partial_rollouts_train_on_the_env_servers_channel_values(prefect_api, tmp_path, token_file, token):
+    """The env server runs the env's algorithms only (its rollouts play in the trainer's process), so rollouts
+    continued across steps reach it as any others, their per-token versions with them."""
+    from flows.train import run_training
+
+    partial = {"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 3},
+               "model": {"name": "tiny", "stop_tokens": ["<|im_end|>", *"etaoinshr"]}}
+    with env_server("--token-file", str(token_file)) as url:
+        config = remote_config(str(tmp_path), "remote-partial", url, steps=2, **partial)
+        run_training(config)
+    storage = RunStorage(config.storage, config.name)
+    for step in (1, 2):
+        assert_batch_holds_the_remote_values(config, step)
+    assert storage.read_json(storage.step_path(2, "metrics.json"))["partial/carried_tokens"] > 0
 
 
 def test_a_run_whose_server_is_down_is_refused_before_step_1_and_runs_once_it_is_up(prefect_api, tmp_path,

@@ -119,9 +119,9 @@ def check_partial(config: Config) -> list[str]:
         problems.append(f"inference.base_url: {key} continues rollouts on an in-process sampler only yet (the hf "
                         f"or vllm backend); remove base_url or {key}")
     for i, env in enumerate(config.env):
-        if env.server is not None:
-            problems.append(f"env.{i}.server: {key} does not work with env servers yet; play the env and its "
-                            f"algorithms in-process or remove {key}")
+        if env.verifiers_server is not None:  # trace-rl's env server runs algorithms only: rollouts play here
+            problems.append(f"env.{i}.server: {key} does not continue episodes a verifiers env server plays; play "
+                            f"the env in-process (remove server) or remove {key}")
             continue
         try:
             cls = resolve_env_class(env.id)
