@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import httpx
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -97,7 +98,12 @@ def test_replay_of_an_async_run_reproduces_its_batches(prefect_api, async_run, t
 
 
 def test_k0_trains_the_same_weights_as_the_synchronous_library_loop(prefect_api, tmp_path):
-    """The flow with `[async] max_off_policy_steps = 0` against `run_step` step by step: bitwise the same."""
+    """The flow with `[async] max_off_policy_steps = 0` against `run_step` of a config without an `[async]` table,
+    step by step: bitwise the same batches and weights.
+
+    It also pins that without `partial_rollout_tokens` the pipeline is the one before partial rollouts existed: no
+    partial code runs (no in-flight store, no partial/* metrics), every sampled token records its trace's
+    policy_step (-1 elsewhere), so no token is stale and nothing is masked."""
     from flows.train import run_training
     from trace_rl.pipeline.session import Session
     from trace_rl.pipeline.step import run_step
@@ -111,6 +117,13 @@ def test_k0_trains_the_same_weights_as_the_synchronous_library_loop(prefect_api,
     flow_storage, loop_storage = RunStorage(str(tmp_path), "k0-flow"), session.storage
     for step in (1, 2, 3):
         assert {t.policy_step for t in read_traces(flow_storage, step)} == {step - 1}
+        batches = [pq.read_table(s.step_path(step, "batch.parquet")) for s in (flow_storage, loop_storage)]
+        assert batches[0].equals(batches[1])
+        for sample in read_batch(flow_storage, step):
+            assert np.array_equal(sample.policy_versions, np.where(sample.sampled, step - 1, -1))
+        metrics = flow_storage.read_json(flow_storage.step_path(step, "metrics.json"))
+        assert metrics["batch/age_masked_tokens"] == 0 and not any(key.startswith("partial/") for key in metrics)
+        assert not any(s.exists(s.step_path(step, "in_flight.json")) for s in (flow_storage, loop_storage))
     weights = [s.read_bytes(s.path("weights", "000003", "model.safetensors")) for s in (flow_storage, loop_storage)]
     assert weights[0] == weights[1]
 
