@@ -18,7 +18,7 @@ INLINE = re.compile(rf"`(?:(?:runs|<storage>)/(?:<name>|demo)/)?({TOP})`")
 PLACEHOLDERS = [("<step:06d>", r"\d{6}"), ("<step>", r"\d{6}"), ("<s>", r"\d{6}"), ("<s-1>", r"\d{6}"),
                 ("<NN>", r"\d{2}"), ("<algorithm>", r"[^/]+"), ("<id>", r"[^/]+"), ("*", r"[^/]*")]
 # written only by some runs: a stateful algorithm's state (rae), the record of a replay's --out, a tracker's run id
-# and the rollouts in flight of a run with partial rollouts (tests/flows/test_crash_resume.py checks it is written)
+# and the rollouts in flight of a run with partial rollouts (tests/flows/test_partial_runs.py checks it is written)
 ONLY_SOME_RUNS = {"steps/<step>/channels/<NN>-<algorithm>.state.json", "replay.json", "tracking/<backend>.json",
                   "steps/<step>/in_flight.json", "steps/<s>/in_flight.json"}
 

@@ -1,7 +1,7 @@
 """Partial rollouts (`[async] partial_rollout_tokens`) on the transformers sampler and the tiny model: a rollout cut
 and continued under newer weights (single-turn, multi-turn, two agents, a verifiers env), the step's choice of ended
-groups and its in-flight store, stale tokens masked or dropped, and the configs refused. The SIGKILL + resume of a run with rollouts in flight:
-tests/flows/test_crash_resume.py::test_async_run_with_partial_rollouts_killed_...
+groups and its in-flight store, stale tokens masked or dropped, and the configs refused (through the CLI). The
+SIGKILL + resume of a run with rollouts in flight: tests/flows/test_partial_runs.py
 """
 
 from __future__ import annotations
