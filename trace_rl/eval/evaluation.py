@@ -125,6 +125,8 @@ async def sample_env(config: Config, runtime, env_index: int, name: str, env_con
             trace.env, trace.group_id = env_config.id, group_id
             trace.id = f"{group_id}-s{sample}-{trace.agent}"
             trace.policy_step = int(getattr(runtime, "policy_step", 0))
+            for branch in trace.branches:  # every eval token is sampled by the weights evaluated, uncut
+                branch.policy_versions = branch.versions_or(trace.policy_step)
         done()
         return traces, {"env": name, "example_id": example.id, "sample": sample,
                         **score_rollout(traces, evaluation.pass_reward)}
