@@ -406,16 +406,17 @@ def summarize(rows: list[dict], end: dict, loads: list[float]) -> dict:
 
 
 class Side:
-    """One side's subprocess: started at once, then driven one step at a time."""
+    """One side's subprocess (`command`, bench.trl's own by default): started at once, then driven one step at a time."""
 
-    def __init__(self, name: str, steps: int, log_dir: str, workload: str = "reference"):
+    def __init__(self, name: str, steps: int, log_dir: str, workload: str = "reference",
+                 command: list[str] | None = None):
         self.name = name
         self.rows: list[dict] = []
         self.loads: list[float] = []
         self.error: str | None = None
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench.trl", "--side", name, "--steps", str(steps), "--workload", workload],
+            command or [sys.executable, "-m", "bench.trl", "--side", name, "--steps", str(steps), "--workload", workload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),  # noqa: SIM115 - the child's
             text=True, bufsize=1)
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -461,8 +462,11 @@ class Side:
             end = self.expect(END, timeout_s)
             if end is not None:
                 self.process.wait(timeout_s)
-                return summarize(self.rows, end, self.loads)
+                return self.summarize(end)
         return {"error": self.error}
+
+    def summarize(self, end: dict) -> dict:
+        return summarize(self.rows, end, self.loads)
 
 
 def vllm_outside_trl_range() -> str | None:

@@ -1,0 +1,36 @@
+"""bench/partial.py's workload: the long tail it claims, a reward that ranks completions, the config each side runs."""
+
+from __future__ import annotations
+
+from bench.partial import SIDES, WORKLOAD, counting_reward, long_tail_rows, side_config
+from trace_rl.pipeline.partial import check_partial
+
+
+def test_one_prompt_in_eight_counts_to_a_long_n_and_each_step_gets_one():
+    rows = long_tail_rows()
+    lengths = [len(row["answer"].split(", ")) for row in rows]
+    assert len(rows) == WORKLOAD["rows"] == 64
+    for step in range(len(rows) // WORKLOAD["prompts_per_step"]):  # rows are not shuffled: a step is 8 in a row
+        chunk = lengths[step * 8:(step + 1) * 8]
+        assert sum(n >= 70 for n in chunk) == 1 and all(4 <= n <= 10 for n in chunk if n < 70)
+    assert rows[0]["prompt"] == f"Count from 1 to {lengths[0]}, separated by commas."
+    assert rows[0]["answer"].endswith(f", {lengths[0] - 1}, {lengths[0]}")
+
+
+def test_the_reward_is_the_correct_prefix_over_n_or_the_numbers_written():
+    answer = "1, 2, 3, 4, 5"
+    assert counting_reward("Sure: 1, 2, 3, 4, 5.", answer) == 1.0
+    assert counting_reward("1, 2, 3", answer) == 0.6  # stopped early
+    assert counting_reward("1, 2, 3, 4, 5, 6, 7, 8, 9, 10", answer) == 0.5  # ran past n
+    assert counting_reward("1, 2, 4, 5, 6", answer) == 0.4  # a wrong number ends the prefix
+    assert counting_reward("I cannot count.", answer) == 0.0
+
+
+def test_each_side_is_a_valid_run_and_only_partial_cuts_rollouts(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "{r["prompt"]}", "answer": "{r["answer"]}"}}\n' for r in long_tail_rows()))
+    configs = {side: side_config(side, str(data), str(tmp_path / "runs"), steps=3) for side in SIDES}
+    assert [c.async_.max_off_policy_steps for c in configs.values()] == [0, 1, 1]
+    assert [c.async_.partial_rollout_tokens for c in configs.values()] == [None, None, 128]
+    assert all(check_partial(c) == [] for c in configs.values())
+    assert {c.steps for c in configs.values()} == {4}  # one step past the measured ones, never run
