@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 
-from bench.trl import END, ROW, SIDE_TIMEOUT_S, Side, report, tree_cpu_seconds, wait_for_turn
+from bench.trl import END, ROW, Side, interleave, report, tree_cpu_seconds, wait_for_turn
 
 STEPS = 6
 PARTIAL_TOKENS = 128
@@ -147,7 +147,7 @@ def side_main(side: str, steps: int, data: str, storage: str) -> None:
     flows.train.step_flow = gated_step
     try:
         flows.train.run_training(config)
-    except Exception:  # noqa: BLE001 - the flow may hand Stop back wrapped; anything else is the side's error
+    except Exception:  # the flow may hand Stop back wrapped; anything else is the side's error
         if not stopped:
             raise
     finally:
@@ -213,15 +213,9 @@ def run(steps: int = STEPS, sides: tuple[str, ...] = tuple(SIDES)) -> dict:
         with open(data, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in long_tail_rows())
         try:
-            running = [PartialSide(side, steps, home, command=[
+            results = interleave([PartialSide(side, steps, home, command=[
                 sys.executable, "-m", "bench.partial", "--side", side, "--steps", str(steps), "--data", data,
-                "--storage", os.path.join(home, "runs")]) for side in sides]
-            for step in range(steps):
-                shift = step % len(running)
-                for side in running[shift:] + running[:shift]:
-                    if side.error is None:
-                        side.step(SIDE_TIMEOUT_S)
-            results = {side.name: side.finish(SIDE_TIMEOUT_S) for side in running}
+                "--storage", os.path.join(home, "runs")]) for side in sides], steps)
         finally:
             prefect_server.stop()
     done = {name: s for name, s in results.items() if "error" not in s}

@@ -486,15 +486,19 @@ def vllm_outside_trl_range() -> str | None:
     return None
 
 
+def interleave(running: list[Side], steps: int) -> dict[str, dict]:
+    """Step 1 of each side in turn, then step 2, and so on, the order rotating each step; each side's summary."""
+    for step in range(steps):
+        shift = step % len(running)
+        for side in running[shift:] + running[:shift]:
+            if side.error is None:
+                side.step(SIDE_TIMEOUT_S)
+    return {side.name: side.finish(SIDE_TIMEOUT_S) for side in running}
+
+
 def run(steps: int = STEPS, sides: tuple[str, ...] = SIDES, workload: str = "reference") -> dict:
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-trl-") as logs:
-        running = [Side(side, steps, logs, workload) for side in sides]
-        for step in range(steps):
-            shift = step % len(running)
-            for side in running[shift:] + running[:shift]:
-                if side.error is None:
-                    side.step(SIDE_TIMEOUT_S)
-        results = {side.name: side.finish(SIDE_TIMEOUT_S) for side in running}
+        results = interleave([Side(side, steps, logs, workload) for side in sides], steps)
     if "error" in results.get("trl-vllm", {}) and (why := vllm_outside_trl_range()):
         results["trl-vllm"]["error"] = f"{why}: {results['trl-vllm']['error']}"
     ratios = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.partial import SIDES, WORKLOAD, counting_reward, long_tail_rows, side_config
 from trace_rl.pipeline.partial import check_partial
 
@@ -34,3 +36,29 @@ def test_each_side_is_a_valid_run_and_only_partial_cuts_rollouts(tmp_path):
     assert [c.async_.partial_rollout_tokens for c in configs.values()] == [None, None, 128]
     assert all(check_partial(c) == [] for c in configs.values())
     assert {c.steps for c in configs.values()} == {4}  # one step past the measured ones, never run
+
+
+def test_the_sides_rows_summarize_and_render_side_by_side():
+    """Two steps of made-up per-step rows through the module's summary, group comparison and RESULTS.md table."""
+    from bench.partial import PARTIAL_TOKENS, compare_groups, summarize
+    from bench.run_all import render_partial, targets
+
+    def rows(step_seconds: float, rewards: tuple[float, float]) -> list[dict]:
+        return [{"step": step, "wall": step_seconds * (3 if step == 1 else 1), "cpu": 1.0, "load": 2.0,
+                 "metrics": {"batch/rl_tokens": 300.0, "time/sample_rollouts": 1.0, "time/train": 2.0,
+                             "partial/rounds": 1.0, "rollouts/dataset/reward_mean": reward},
+                 "groups": {f"step{step}-dataset-train-{i}-e0": {"reward": reward, "step": step, "long": i == 1,
+                                                                  "completion_tokens": 10.0} for i in (1, 2)}}
+                for step, reward in zip((1, 2), rewards)]
+
+    sides = {"sync": summarize(rows(6.0, (0.2, 0.4))), "partial": summarize(rows(3.0, (0.3, 0.5)))}
+    assert sides["sync"]["trained_tokens_per_s"] == 50.0 and sides["partial"]["trained_tokens_per_s"] == 100.0
+    assert sides["partial"]["first_step_seconds"] == 9.0 and sides["partial"]["time"]["train"] == 2.0
+    groups = compare_groups(sides)
+    assert len(groups["rows"]) == 4 and groups["means"]["long"] == pytest.approx({"sync": 0.3, "partial": 0.4, "groups": 2})
+    result = {"workload": WORKLOAD, "partial_rollout_tokens": PARTIAL_TOKENS, "steps": 2, "sides": sides,
+              "ratios": {"partial / sync": {"trained_tokens_per_s": 2.0, "steps_per_s": 2.0}}, "groups": groups,
+              "target": 1.5, "load_before": 1.0, "load_range": [2.0, 2.0]}
+    text = "\n".join(render_partial(result))
+    assert "| sync | 50.000 |" in text and "| partial | 100.000 |" in text and "| step1 | 0.20* 0.20 | 0.30* 0.30 |" in text
+    assert targets({"partial": {"result": result}})[-1][1:] == ["2.00x", ">= 1.5x", True]
