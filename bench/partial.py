@@ -166,6 +166,7 @@ def summarize(rows: list[dict]) -> dict:
     tokens = sum(r["metrics"]["batch/rl_tokens"] for r in warm)
     times = sorted({k for r in warm for k in r["metrics"] if k.startswith("time/")})
     reward_key = f"rollouts/{ENV}/reward_mean"
+    groups = {g: v for r in rows for g, v in r["groups"].items()}
     return {
         "trained_tokens_per_s": tokens / seconds, "steps_per_s": len(warm) / seconds,
         "step_seconds": statistics.median(r["wall"] for r in warm),
@@ -174,7 +175,9 @@ def summarize(rows: list[dict]) -> dict:
         "time": {k.removeprefix("time/"): statistics.median(r["metrics"].get(k, 0.0) for r in warm) for k in times},
         "partial": {k: statistics.median(r["metrics"].get(k, 0.0) for r in warm) for k in KEYS},
         "rewards": [r["metrics"][reward_key] for r in rows],
-        "groups": {g: v for r in rows for g, v in r["groups"].items()},
+        "groups": groups,
+        "completion_tokens": {kind: statistics.mean(g["completion_tokens"] for g in groups.values() if g["long"] == long)
+                              for kind, long in (("long", True), ("short", False))},
         "loads": [r["load"] for r in rows],
     }
 

@@ -355,13 +355,16 @@ def render_partial(r: dict) -> list[str]:
              "step by step; figures over steps 2..; medians of each step's metrics.json keys.", ""]
     lines += table(["side", "trained sampled tokens/s", "steps/s", "step s", "step CPU s", "trained tokens/step",
                     "sampling s", "train s", "wait for sampling s", "segments/step", "in flight", "carried tokens",
-                    "token age mean", "token age max", "age-masked tokens", "step 1 s", "reward per step"],
+                    "token age mean", "token age max", "age-masked tokens", "completion tokens long / short",
+                    "step 1 s", "reward per step"],
                    [[name, s["trained_tokens_per_s"], s["steps_per_s"], s["step_seconds"], s["step_cpu_seconds"],
                      s["trained_tokens_per_step"], s["time"].get("sample_rollouts", 0.0), s["time"].get("train", 0.0),
                      s["time"].get("wait_for_sampling", 0.0), s["partial"]["partial/rounds"],
                      s["partial"]["partial/in_flight"], s["partial"]["partial/carried_tokens"],
                      s["partial"]["async/token_age_mean"], s["partial"]["async/token_age_max"],
-                     s["partial"]["batch/age_masked_tokens"], s["first_step_seconds"],
+                     s["partial"]["batch/age_masked_tokens"],
+                     f"{s['completion_tokens']['long']:.0f} / {s['completion_tokens']['short']:.0f}",
+                     s["first_step_seconds"],
                      " ".join(f"{x:.3f}" for x in s["rewards"])] for name, s in done.items()])
     lines += [f"- `{name}`: did not run: {s['error']}" for name, s in r["sides"].items() if "error" in s]
     lines += table(["ratio", "trained sampled tokens/s", "steps/s"],

@@ -54,6 +54,7 @@ def test_the_sides_rows_summarize_and_render_side_by_side():
     sides = {"sync": summarize(rows(6.0, (0.2, 0.4))), "partial": summarize(rows(3.0, (0.3, 0.5)))}
     assert sides["sync"]["trained_tokens_per_s"] == 50.0 and sides["partial"]["trained_tokens_per_s"] == 100.0
     assert sides["partial"]["first_step_seconds"] == 9.0 and sides["partial"]["time"]["train"] == 2.0
+    assert sides["sync"]["completion_tokens"] == {"long": 10.0, "short": 10.0}
     groups = compare_groups(sides)
     assert len(groups["rows"]) == 4 and groups["means"]["long"] == pytest.approx({"sync": 0.3, "partial": 0.4, "groups": 2})
     result = {"workload": WORKLOAD, "partial_rollout_tokens": PARTIAL_TOKENS, "steps": 2, "sides": sides,
