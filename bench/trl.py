@@ -184,7 +184,9 @@ def tree_cpu_seconds() -> float:
 def report(marker: str, payload: dict) -> None:
     import torch
 
-    print(marker + json.dumps({**payload, "torch_threads": torch.get_num_threads()}), flush=True)
+    # the process's own stdout: inside a Prefect flow with `log_prints`, print would go to the flow's log instead
+    sys.__stdout__.write(marker + json.dumps({**payload, "torch_threads": torch.get_num_threads()}) + "\n")
+    sys.__stdout__.flush()
 
 
 class TurnGate:
@@ -454,7 +456,14 @@ class Side:
             lines = [line.strip() for line in f if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line]
         self.error = f"{what}: {(errors or lines or ['no output'])[-1][:400]}"
-        self.process.kill()
+        import psutil
+
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)  # its vLLM engine processes
+        except psutil.NoSuchProcess:
+            children = []
+        for child in [*children, self.process]:
+            child.kill()
 
     def finish(self, timeout_s: float) -> dict:
         if self.error is None:
