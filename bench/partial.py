@@ -54,7 +54,7 @@ STEPS = 6
 PARTIAL_TOKENS = 128
 WORKLOAD = {
     "model": "smollm2-135m", "dtype": "float32", "prompts_per_step": 8, "group_size": 2, "long_every": 8,
-    "short_n": (3, 10), "long_n": (70, 90), "rows": 64, "max_completion_tokens": 384, "max_model_len": 512,
+    "short_n": (4, 10), "long_n": (70, 90), "rows": 64, "max_completion_tokens": 384, "max_model_len": 512,
     "temperature": 0.7, "lr": 2e-5, "micro_batch_tokens": 1024,
     "system_prompt": "Reply with the numbers only, separated by commas.",
 }
@@ -69,10 +69,13 @@ NUMBER = re.compile(r"\d+")
 
 def long_tail_rows(workload: dict = WORKLOAD) -> list[dict]:
     """The dataset's rows: every `long_every`-th asks to count to a long n, the others to a short one."""
-    rows = []
+    rows, every = [], workload["long_every"]
     for i in range(workload["rows"]):
-        low, high = workload["long_n" if i % workload["long_every"] == 0 else "short_n"]
-        n = low + (i * 7) % (high - low + 1)
+        if i % every == 0:
+            low, high = workload["long_n"]
+            n = low + (i * 7) % (high - low + 1)
+        else:  # 10, 9, ... 4 in each run of 8 rows
+            n = workload["short_n"][1] + 1 - i % every
         rows.append({"prompt": f"Count from 1 to {n}, separated by commas.",
                      "answer": ", ".join(str(x) for x in range(1, n + 1))})
     return rows

@@ -348,7 +348,7 @@ def render_partial(r: dict) -> list[str]:
     w, done = r["workload"], {name: s for name, s in r["sides"].items() if "error" not in s}
     lines = [f"`{w['model']}` ({w['dtype']}) on in-process vLLM, `dataset` env: \"Count from 1 to n\", n in "
              f"{w['long_n'][0]}..{w['long_n'][1]} for 1 prompt in {w['long_every']} (a few hundred tokens), "
-             f"at most {w['short_n'][1]} for the others; {w['prompts_per_step']} prompts x "
+             f"{w['short_n'][0]}..{w['short_n'][1]} for the others; {w['prompts_per_step']} prompts x "
              f"{w['group_size']} completions a step, at most {w['max_completion_tokens']} tokens at temperature "
              f"{w['temperature']}, grpo, lr {w['lr']}; partial: `partial_rollout_tokens = "
              f"{r['partial_rollout_tokens']}`. Each side a real `train` flow run, {r['steps']} steps, interleaved "
