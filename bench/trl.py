@@ -33,10 +33,12 @@ checkpoint costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -456,14 +458,11 @@ class Side:
             lines = [line.strip() for line in f if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line]
         self.error = f"{what}: {(errors or lines or ['no output'])[-1][:400]}"
-        import psutil
+        from trace_rl.machine.processes import descendants
 
-        try:
-            children = psutil.Process(self.process.pid).children(recursive=True)  # its vLLM engine processes
-        except psutil.NoSuchProcess:
-            children = []
-        for child in [*children, self.process]:
-            child.kill()
+        for pid in [*descendants(self.process.pid), self.process.pid]:  # its vLLM engine processes with it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def finish(self, timeout_s: float) -> dict:
         if self.error is None:
