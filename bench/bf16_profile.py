@@ -110,7 +110,7 @@ class OpCounter(TorchDispatchMode):
             dtypes = f"{short(source.dtype)}->{short(target.dtype)}"
         else:
             packet = func.overloadpacket
-            flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+            flops = op_flops(packet, args, kwargs, out)
             kind = "matmul" if flops else "other"
             dtypes = ",".join(sorted({short(t.dtype) for t in floating_in})) or "-"
             dtypes += "->" + (",".join(sorted({short(t.dtype) for t in floating_out})) or "-")
@@ -120,6 +120,21 @@ class OpCounter(TorchDispatchMode):
         if not func.is_view:  # a view moves no data
             row.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
         return out
+
+
+def op_flops(packet, args, kwargs, out) -> int:
+    """torch's FLOP formula for the op (0 for an op without one). Its attention formulas require as many key/value
+    heads as query heads; a grouped-query call (CUDA's kernels take the grouped key/value) counts as the same call
+    with the key/value heads repeated, which is the work the kernel does."""
+    if packet not in flop_registry:
+        return 0
+    try:
+        return flop_registry[packet](*args, **kwargs, out_val=out)
+    except AssertionError:
+        heads = next(t.shape[1] for t in args if isinstance(t, torch.Tensor) and t.dim() == 4)
+        repeated = [torch.empty(t.shape[0], heads, *t.shape[2:], device="meta", dtype=t.dtype)
+                    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] != heads else t for t in args]
+        return flop_registry[packet](*repeated, **kwargs, out_val=out)
 
 
 def weight_pointers(trainer: Trainer) -> set[int]:
@@ -208,7 +223,7 @@ def build_model(args: argparse.Namespace) -> str:
 
 
 def run(model: str, dtype: str, groups: int, prompt_tokens: int, completion_tokens: int, micro_batch_tokens: int,
-        steps: int, profile: bool = False) -> dict:
+        steps: int, profile: bool = False, attention: str = "auto") -> dict:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model))
@@ -216,10 +231,11 @@ def run(model: str, dtype: str, groups: int, prompt_tokens: int, completion_toke
     result = {"dtype": dtype, "threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory(prefix="trace-rl-bf16-profile-") as storage:
         for name in ("float32", dtype):
-            config = trainer_config(model, storage, name, "auto", micro_batch_tokens)
+            config = trainer_config(model, storage, name, attention, micro_batch_tokens)
             trainer = Trainer(config, RunStorage.of(config))
             trainer.optimizer_step(0, samples)  # warm-up: allocations, AdamW state
             result[f"{name}_step_seconds"] = step_seconds(trainer, 1, steps, samples)
+            print(f"{name} step: {result[f'{name}_step_seconds']:.3f} s ({trainer.attention})", flush=True)
         ops = counted_step(trainer, steps + 1, samples)
         if profile:
             from torch.profiler import ProfilerActivity
@@ -267,12 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--completion-tokens", type=int, default=64)
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per dtype, after a warm-up")
+    parser.add_argument("--attention", default="auto", help="trainer.attention (the op counter cannot see inside "
+                        "packed_flex's FlexAttention call: on CUDA pass packed_sdpa)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's self time per op and shape too")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trace-rl-bf16-profile-models"))
     args = parser.parse_args(argv)
     model = args.model or build_model(args)
     result = run(model, args.dtype, args.groups, args.prompt_tokens, args.completion_tokens,
-                 args.micro_batch_tokens, args.steps, args.profile)
+                 args.micro_batch_tokens, args.steps, args.profile, args.attention)
     print(report(result))
     return result
 

@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +213,7 @@ def one_rank_group(cuda: bool):
         dist.destroy_process_group()
 
 
-def timed_run(config: Config, samples, steps: int, cuda: bool) -> dict:
+def timed_run(config: Config, samples, steps: int, cuda: bool, flops: float) -> dict:
     trainer = Trainer(config, RunStorage.of(config))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -222,19 +223,22 @@ def timed_run(config: Config, samples, steps: int, cuda: bool) -> dict:
         started = time.perf_counter()
         metrics = trainer.optimizer_step(step, samples)
         synchronize(trainer.device)
-        if step:
-            seconds.append(time.perf_counter() - started)
+        seconds.append(time.perf_counter() - started)
     parameters = sum(p.numel() for p in trainer.module.parameters())
     result = {"attention": trainer.attention, "dtype": str(trainer.dtype).removeprefix("torch."),
               "parameters": parameters, "tokens": metrics["tokens"], "sample_tokens": metrics["sample_tokens"],
-              "micro_batches": metrics["micro_batches"], "step_seconds": statistics.median(seconds),
+              "micro_batches": metrics["micro_batches"], "warmup_seconds": seconds[0],
+              "step_seconds": statistics.median(seconds[1:]),
               "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "finite": math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])}
     result["tokens_per_s"] = result["tokens"] / result["step_seconds"]
+    result["mfu"] = 6 * parameters * result["tokens_per_s"] / flops
     return result
 
 
-def timed_runs(model: str, storage: str, dtype: str, cuda: bool, shape: dict, vocab: int) -> dict[str, dict]:
+def timed_runs(model: str, storage: str, dtype: str, cuda: bool, shape: dict, vocab: int,
+               flops: float) -> dict[str, dict]:
+    """Each run timed on its own; one that fails is reported with its error and the next still runs."""
     samples = grpo_samples(shape["groups"], shape["prompt_tokens"], shape["completion_tokens"], vocab)
     tokens = shape["micro_batch_tokens"]
     flex = TREE_ATTENTION if cuda else "auto"  # on CPU auto is packed_sdpa
@@ -244,8 +248,14 @@ def timed_runs(model: str, storage: str, dtype: str, cuda: bool, shape: dict, vo
             "FSDP2, one rank": (trainer_config(model, storage, dtype, flex, tokens, fsdp=True), True)}
     results = {}
     for name, (config, distributed) in runs.items():
-        with one_rank_group(cuda) if distributed else contextlib.nullcontext():
-            results[name] = timed_run(config, samples, shape["steps"], cuda)
+        started = time.perf_counter()
+        try:
+            with one_rank_group(cuda) if distributed else contextlib.nullcontext():
+                results[name] = timed_run(config, samples, shape["steps"], cuda, flops)
+        except Exception as error:  # noqa: BLE001 - the other runs are still worth timing
+            traceback.print_exc()
+            results[name] = {"error": error_line(error)}
+        print(f"[gpu_check] run {name}: {time.perf_counter() - started:.1f} s", flush=True)
         if cuda:
             torch.cuda.empty_cache()
     return results
@@ -292,38 +302,61 @@ def peak_flops(cuda: bool, override_tflops: float | None) -> tuple[float, str]:
 
 
 def report(result: dict) -> str:
+    """The markdown report of what has run so far: a phase not yet run is left out, a failed one shows its error."""
     gb = lambda value: f"{value:.1f}" if value is not None else "-"
+    parameters = next((run["parameters"] for run in result.get("runs", {}).values() if "parameters" in run), None)
+    shape = result["model_shape"] + (f" ({parameters / 1e6:,.0f}M parameters)" if parameters else "")
     lines = [f"# GPU check: {result['device']}", "",
-             f"`{result['command']}`: {result['model_shape']}, {result['dtype']}, torch {result['torch']}; "
-             f"{result['wall_seconds']:.0f} s in all. Peak FLOP/s: {result['flops_source']}.", "",
-             "## Attention: packed_flex against packed_sdpa (max |Δ| / max |packed_sdpa|)", "",
-             f"Within {ATTENTION_TOLERANCE} by dtype: {'all' if result['attention_ok'] else 'NOT all'}.", "",
-             "| tree | dtype | tokens | out | dq | dk | dv | ok |", "|---|---|---|---|---|---|---|---|"]
-    for row in result["attention"]:
-        grads = " | ".join(f"{row[p]:.1e}" if p in row else "-" for p in "qkv")
-        lines.append(f"| {row['tree']} | {row['dtype']} | {row['tokens']} | {row['out']:.1e} | {grads} | "
-                     f"{'yes' if row['ok'] else 'NO'} |")
-    lines += ["", "## Gradients of a small batch against float32 packed_sdpa with full logits", "",
-              f"Gradient cosine at least {MIN_GRADIENT_COSINE} by dtype: "
-              f"{'all' if result['gradients_ok'] else 'NOT all'}.", "",
-              "| run | logprob max abs Δ | gradient cosine | abs Δgradient norm / gradient norm | ok |",
-              "|---|---|---|---|---|"]
-    for row in result["gradients"]:
-        lines.append(f"| {row['run']} | {row['logprob_max_abs']:.2e} | {row['grad_cosine']:.6f} | "
-                     f"{row['grad_relative_norm']:.2e} | {'yes' if row['ok'] else 'NO'} |")
-    lines += ["", f"## Trainer steps (median of {result['steps']} after a warm-up)", "",
-              "| run | attention | tokens / step (samples' tokens) | micro-batches | step s | tokens/s | MFU | "
-              "peak GPU GB |", "|---|---|---|---|---|---|---|---|"]
-    for name, run in result["runs"].items():
-        lines.append(f"| {name} | {run['attention']} | {run['tokens']:,.0f} ({run['sample_tokens']:,.0f}) | "
-                     f"{run['micro_batches']:.0f} | {run['step_seconds']:.3f} | {run['tokens_per_s']:,.0f} | "
-                     f"{run['mfu']:.1%} | {gb(run['peak_gb'])} |")
-    s = result["sampler"]
-    lines += ["", "## The hf sampler", "",
-              f"{s['samples']} completions, {s['completion_tokens']} tokens in {s['seconds']:.1f} s "
-              f"({s['tokens_per_s']:,.0f} tokens/s); sampler-trainer gap over the sampled tokens: mean |Δlogprob| "
-              f"{s['gap_mean']:.2e}, max {s['gap_max']:.2e}."]
-    return "\n".join(lines) + "\n"
+             f"`{result['command']}`: {shape}, {result['dtype']}, torch {result['torch']}; "
+             f"{result['wall_seconds']:.0f} s in all. Peak FLOP/s: {result['flops_source']}.", ""]
+    if result["failed"]:
+        lines += ["**Failed phases:** " + "; ".join(f"{phase}: `{error}`" for phase, error in result["failed"].items()),
+                  ""]
+    if "attention" in result:
+        lines += ["## Attention: packed_flex against packed_sdpa (max |Δ| / max |packed_sdpa|)", "",
+                  f"Within {ATTENTION_TOLERANCE} by dtype: {'all' if all(r['ok'] for r in result['attention']) else 'NOT all'}.", "",
+                  "| tree | dtype | tokens | out | dq | dk | dv | ok |", "|---|---|---|---|---|---|---|---|"]
+        for row in result["attention"]:
+            grads = " | ".join(f"{row[p]:.1e}" if p in row else "-" for p in "qkv")
+            lines.append(f"| {row['tree']} | {row['dtype']} | {row['tokens']} | {row['out']:.1e} | {grads} | "
+                         f"{'yes' if row['ok'] else 'NO'} |")
+        lines.append("")
+    if "gradients" in result:
+        lines += ["## Gradients of a small batch against float32 packed_sdpa with full logits", "",
+                  f"Gradient cosine at least {MIN_GRADIENT_COSINE} by dtype: "
+                  f"{'all' if all(r['ok'] for r in result['gradients']) else 'NOT all'}.", "",
+                  "| run | logprob max abs Δ | gradient cosine | abs Δgradient norm / gradient norm | ok |",
+                  "|---|---|---|---|---|"]
+        for row in result["gradients"]:
+            lines.append(f"| {row['run']} | {row['logprob_max_abs']:.2e} | {row['grad_cosine']:.6f} | "
+                         f"{row['grad_relative_norm']:.2e} | {'yes' if row['ok'] else 'NO'} |")
+        lines.append("")
+    if "runs" in result:
+        lines += [f"## Trainer steps (median of {result['steps']} after a warm-up)", "",
+                  "| run | attention | tokens / step (samples' tokens) | micro-batches | step s | warm-up s | tokens/s | "
+                  "MFU | peak GPU GB |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, run in result["runs"].items():
+            if "error" in run:
+                lines.append(f"| {name} | failed: `{run['error']}` |  |  |  |  |  |  |  |")
+                continue
+            lines.append(f"| {name} | {run['attention']} | {run['tokens']:,.0f} ({run['sample_tokens']:,.0f}) | "
+                         f"{run['micro_batches']:.0f} | {run['step_seconds']:.3f} | {run['warmup_seconds']:.1f} | "
+                         f"{run['tokens_per_s']:,.0f} | {run['mfu']:.1%} | {gb(run['peak_gb'])} |")
+        lines.append("")
+    if "sampler" in result:
+        s = result["sampler"]
+        lines += ["## The hf sampler", "",
+                  f"{s['samples']} completions, {s['completion_tokens']} tokens in {s['seconds']:.1f} s "
+                  f"({s['tokens_per_s']:,.0f} tokens/s); sampler-trainer gap over the sampled tokens: mean "
+                  f"|Δlogprob| {s['gap_mean']:.2e}, max {s['gap_max']:.2e}.", ""]
+    return "\n".join(lines)
+
+
+def error_line(error: BaseException) -> str:
+    """An exception as one line: its type, message and the innermost frame of this project's code."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "trace_rl" in f.filename or "bench" in f.filename]
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"[:400]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -343,34 +376,52 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = "bfloat16" if cuda else "float32"
     device = torch.device("cuda" if cuda else "cpu")
     model = args.model or build_model(cuda, args.cache)
+    print(f"[gpu_check] model {model}: {time.perf_counter() - started:.1f} s", flush=True)
     from transformers import AutoConfig, AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model))  # the ids the tokenizer has (the embedding has more rows)
     model_config = AutoConfig.from_pretrained(model)
     flops, flops_source = peak_flops(cuda, args.peak_tflops)
-    with tempfile.TemporaryDirectory(prefix="trace-rl-gpu-check-") as storage:
-        attention = check_attention(device, vocab)
-        gradients = check_gradients(model, storage, dtype, [PACKED_ATTENTION, TREE_ATTENTION] if cuda
-                                    else [PACKED_ATTENTION], vocab)
-        runs = timed_runs(model, storage, dtype, cuda, shape, vocab)
-        for run in runs.values():
-            run["mfu"] = 6 * run["parameters"] * run["tokens_per_s"] / flops
-        sampler = check_sampler(model, storage, dtype, TREE_ATTENTION if cuda else "auto", shape, vocab)
+    out = args.out or ("bench/RESULTS-gpu.md" if cuda else None)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "CPU (no CUDA)", "torch": torch.__version__,
         "command": "python -m bench.gpu_check " + " ".join(argv), "dtype": dtype, "steps": shape["steps"],
         "model_shape": f"{model_config.num_hidden_layers} layers, hidden {model_config.hidden_size}, vocabulary "
-                       f"{model_config.vocab_size} ({runs['packed_sdpa']['parameters'] / 1e6:,.0f}M parameters)",
-        "flops_source": flops_source, "attention": attention, "gradients": gradients, "runs": runs,
-        "attention_ok": all(row["ok"] for row in attention), "gradients_ok": all(row["ok"] for row in gradients),
-        "sampler": sampler, "wall_seconds": time.perf_counter() - started,
+                       f"{model_config.vocab_size}", "flops_source": flops_source, "failed": {},
     }
+
+    def record(phase: str, run) -> None:
+        """Run one phase; a failure is reported and the next phase still runs. The report is rewritten after each,
+        so a check stopped by a time limit keeps what it measured."""
+        phase_started = time.perf_counter()
+        try:
+            result[phase] = run()
+        except Exception as error:  # noqa: BLE001 - a device check reports every phase it can
+            traceback.print_exc()
+            result["failed"][phase] = error_line(error)
+        print(f"[gpu_check] {phase}: {time.perf_counter() - phase_started:.1f} s", flush=True)
+        result["wall_seconds"] = time.perf_counter() - started
+        if out:
+            Path(out).write_text(report(result))
+
+    with tempfile.TemporaryDirectory(prefix="trace-rl-gpu-check-") as storage:
+        record("attention", lambda: check_attention(device, vocab))
+        record("gradients", lambda: check_gradients(model, storage, dtype, [PACKED_ATTENTION, TREE_ATTENTION] if cuda
+                                                    else [PACKED_ATTENTION], vocab))
+        record("runs", lambda: timed_runs(model, storage, dtype, cuda, shape, vocab, flops))
+        if any("error" in run for run in result.get("runs", {}).values()):
+            result["failed"]["runs"] = "; ".join(f"{name}: {run['error']}" for name, run in result["runs"].items()
+                                                 if "error" in run)
+        record("sampler", lambda: check_sampler(model, storage, dtype, TREE_ATTENTION if cuda else "auto", shape,
+                                                vocab))
+    result["attention_ok"] = all(row["ok"] for row in result.get("attention", []))
+    result["gradients_ok"] = all(row["ok"] for row in result.get("gradients", []))
+    result["wall_seconds"] = time.perf_counter() - started
     text = report(result)
-    out = args.out or ("bench/RESULTS-gpu.md" if cuda else None)
     if out:
         Path(out).write_text(text)
     print(text)
-    if not (result["attention_ok"] and result["gradients_ok"]):
+    if result["failed"] or not (result["attention_ok"] and result["gradients_ok"]):
         raise SystemExit(f"gpu check: a check failed (see {out or 'the report above'})")
     return result
 

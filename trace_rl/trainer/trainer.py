@@ -75,12 +75,16 @@ def warmup_factor(warmup_steps: int):
     return lambda index: min(1.0, (index + 1) / warmup_steps) if warmup_steps else 1.0
 
 
-LOGITS_PER_CHUNK = 2**24  # logits per output-layer chunk: 64 MB in float32; a chunk's backward holds ~4 such
+# logits per output-layer chunk by device type; a chunk's backward holds ~4 float32 tensors of that many. 64 MB on a
+# CPU, where a larger chunk computes no faster. 2 GB on CUDA: chunks of 110 positions leave the GPU waiting on
+# kernel launches (bench/RESULTS-bf16.md, the H200 section).
+LOGITS_PER_CHUNK = {"cpu": 2**24, "cuda": 2**29}
 
 
-def chunk_positions(vocab_size: int) -> int:
-    """Positions per output-layer chunk: `LOGITS_PER_CHUNK // vocab_size` (110 at Qwen's 151,936 tokens)."""
-    return max(1, LOGITS_PER_CHUNK // vocab_size)
+def chunk_positions(vocab_size: int, device_type: str = "cpu") -> int:
+    """Positions per output-layer chunk on a `device_type` device: `LOGITS_PER_CHUNK[device_type] // vocab_size`
+    (110 on a CPU and 3,533 on CUDA at Qwen's 151,936 tokens; other devices take the CPU's)."""
+    return max(1, LOGITS_PER_CHUNK.get(device_type, LOGITS_PER_CHUNK["cpu"]) // vocab_size)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -175,7 +179,7 @@ def token_logprobs(
     gets 0.
 
     The output layer and log-softmax run over `chunk_size` queries at a time (`"auto"`:
-    `chunk_positions(vocabulary)`) on the body's hidden states, each chunk recomputed in
+    `chunk_positions(vocabulary, device.type)`) on the body's hidden states, each chunk recomputed in
     backward instead of kept, so only one chunk's full-vocabulary tensors exist at a time.
     `chunk_size=None` takes the model's full logits instead (the same numbers within float
     rounding; for comparison only: it keeps (tokens x vocabulary) float32 tensors for backward).
@@ -191,7 +195,7 @@ def token_logprobs(
         hidden = final_hidden_states(model, batch, device)
         hf_model = unwrapped(model)
         if chunk_size == "auto":
-            chunk_size = chunk_positions(hf_model.get_output_embeddings().weight.shape[0])
+            chunk_size = chunk_positions(hf_model.get_output_embeddings().weight.shape[0], device.type)
         parts = []
         # a row without queries (a rank without work) still runs one empty chunk: its backward stays in the graph
         for start in range(0, max(len(targets), 1), chunk_size):
