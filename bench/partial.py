@@ -2,20 +2,28 @@
 
 The workload (`WORKLOAD`): the real SmolLM2-135M-Instruct (`smollm2-135m`, float32) on the in-process vLLM
 engine, the `dataset` env over `long_tail_rows()`: "Count from 1 to n, separated by commas." (system prompt:
-numbers only) with n from 4 to 10 for 7 of every 8 prompts and from 70 to 90 for the 8th. Rows are not shuffled,
-so every step's 8 prompts hold exactly one long one: 1 in 8 completions runs to about 270-350 tokens (SmolLM2
-writes a digit a token), the rest to under 30 when the model does as asked. The reward (`counting_reward`) is
-the length of the completion's correct prefix 1, 2, 3 ... (at most n) over the larger of n and how many numbers
-it wrote: 1 for a complete count that stops, less for stopping early, running past n or rambling. 8 prompts x 2
-completions a step, grpo, lr 2e-5, at most 384 completion tokens at temperature 0.7.
+numbers only) with n from 4 to 10 for 7 of every 8 prompts and from 140 to 160 for the 8th. Rows are not
+shuffled, so every step's 8 prompts hold exactly one long one: 1 in 8 completions runs to about 600-660 tokens
+(SmolLM2 writes a digit a token, then "," and " "), the rest to under 30 when the model does as asked. The
+reward (`counting_reward`) is the length of the completion's correct prefix 1, 2, 3 ... (at most n) over the
+larger of n and how many numbers it wrote: 1 for a complete count that stops, less for stopping early, running
+past n or rambling. 8 prompts x 2 completions a step, grpo, lr 2e-5, at most 768 completion tokens at
+temperature 0.7. A 768-token completion on a loaded 2-core machine outlasts the sampler's default 120 s
+(`inference.request_timeout_s`), which would fail it as a timeout, so the workload allows 900 s.
+
+Why this tail: a synchronous step waits for its longest completion, decoded a token at a time at a batch of 2
+(about 0.1 s a token on 2 CPU cores), while training costs about the same per trained token whatever the
+lengths; a partial step waits for one segment of `PARTIAL_TOKENS`. The tail's cost to a synchronous step, and
+so what partial rollouts can save, grows with the tail's length over the segment's: several hundred tokens
+against a 256-token segment.
 
 Sides (`SIDES`), each a real `train` flow run (`flows.train.run_training`) in a subprocess of its own against
 one embedded Prefect server, with the same seed, examples and trainer:
 
 - `sync`: `max_off_policy_steps = 0`, every rollout of a step sampled to its end before training;
 - `k=1`: `max_off_policy_steps = 1`, step n + 1 sampled beside step n's training, rollouts still whole;
-- `partial`: `max_off_policy_steps = 1` and `partial_rollout_tokens = PARTIAL_TOKENS` (128). A long completion
-  is at most 384 tokens, so it ends in 3 segments, one per step: a token is then at most 2 steps older than its
+- `partial`: `max_off_policy_steps = 1` and `partial_rollout_tokens = PARTIAL_TOKENS` (256). A long completion
+  is at most 768 tokens, so it ends in 3 segments, one per step: a token is then at most 2 steps older than its
   step's on-policy weights, which k = 1 allows (`trace_rl.pipeline.token_age`: age <= 2k), and no token is
   masked; a smaller N would mask the long rollouts' first tokens, a larger one makes each step wait longer.
 
@@ -51,11 +59,11 @@ import time
 from bench.trl import END, ROW, Side, interleave, report, tree_cpu_seconds, wait_for_turn
 
 STEPS = 6
-PARTIAL_TOKENS = 128
+PARTIAL_TOKENS = 256
 WORKLOAD = {
     "model": "smollm2-135m", "dtype": "float32", "prompts_per_step": 8, "group_size": 2, "long_every": 8,
-    "short_n": (4, 10), "long_n": (70, 90), "rows": 64, "max_completion_tokens": 384, "max_model_len": 512,
-    "temperature": 0.7, "lr": 2e-5, "micro_batch_tokens": 1024,
+    "short_n": (4, 10), "long_n": (140, 160), "rows": 64, "max_completion_tokens": 768, "max_model_len": 896,
+    "temperature": 0.7, "lr": 2e-5, "micro_batch_tokens": 1024, "request_timeout_s": 900.0,
     "system_prompt": "Reply with the numbers only, separated by commas.",
 }
 SIDES = {  # overrides of the workload's config
@@ -95,7 +103,8 @@ def side_config(side: str, data: str, storage: str, steps: int, workload: dict =
     w = workload
     return Config(
         name=f"bench-partial-{side.replace('=', '')}", steps=steps + 1, seed=0, storage=storage,
-        model={"name": w["model"], "dtype": w["dtype"]}, inference={"backend": "vllm", "max_model_len": w["max_model_len"]},
+        model={"name": w["model"], "dtype": w["dtype"]},
+        inference={"backend": "vllm", "max_model_len": w["max_model_len"], "request_timeout_s": w["request_timeout_s"]},
         sampling={"max_completion_tokens": w["max_completion_tokens"], "temperature": w["temperature"]},
         env=[{"id": ENV, "batch_size": w["prompts_per_step"], "group_size": w["group_size"],
               "args": {"path": data, "shuffle": False, "reward": "bench.partial:counting_reward",

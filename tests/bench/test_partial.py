@@ -14,9 +14,11 @@ def test_one_prompt_in_eight_counts_to_a_long_n_and_each_step_gets_one():
     assert len(rows) == WORKLOAD["rows"] == 64
     for step in range(len(rows) // WORKLOAD["prompts_per_step"]):  # rows are not shuffled: a step is 8 in a row
         chunk = lengths[step * 8:(step + 1) * 8]
-        assert sum(n >= 70 for n in chunk) == 1 and all(4 <= n <= 10 for n in chunk if n < 70)
+        assert sum(n >= 140 for n in chunk) == 1 and all(4 <= n <= 10 for n in chunk if n < 140)
     assert rows[0]["prompt"] == f"Count from 1 to {lengths[0]}, separated by commas."
     assert rows[0]["answer"].endswith(f", {lengths[0] - 1}, {lengths[0]}")
+    # SmolLM2 writes a digit a token, then "," and " ": the longest count (n = 154, 662 tokens) fits the completion cap
+    assert sum(len(str(x)) + 2 for x in range(1, max(lengths) + 1)) <= WORKLOAD["max_completion_tokens"] == 768
 
 
 def test_the_reward_is_the_correct_prefix_over_n_or_the_numbers_written():
@@ -33,7 +35,11 @@ def test_each_side_is_a_valid_run_and_only_partial_cuts_rollouts(tmp_path):
     data.write_text("".join(f'{{"prompt": "{r["prompt"]}", "answer": "{r["answer"]}"}}\n' for r in long_tail_rows()))
     configs = {side: side_config(side, str(data), str(tmp_path / "runs"), steps=3) for side in SIDES}
     assert [c.async_.max_off_policy_steps for c in configs.values()] == [0, 1, 1]
-    assert [c.async_.partial_rollout_tokens for c in configs.values()] == [None, None, 128]
+    assert [c.async_.partial_rollout_tokens for c in configs.values()] == [None, None, 256]
+    # a whole long count fits the cap, and the cap ends in 3 segments: a token's age stays within k = 1's bound of 2
+    assert all(c.sampling.max_completion_tokens == 768 == 3 * 256 for c in configs.values())
+    # a whole 768-token completion on a loaded machine is not failed as a sampler timeout
+    assert all(c.inference.request_timeout_s == 900 for c in configs.values())
     assert all(check_partial(c) == [] for c in configs.values())
     assert {c.steps for c in configs.values()} == {4}  # one step past the measured ones, never run
 
