@@ -11,11 +11,12 @@ past n or rambling. 8 prompts x 2 completions a step, grpo, lr 2e-5, at most 768
 temperature 0.7. A 768-token completion on a loaded 2-core machine outlasts the sampler's default 120 s
 (`inference.request_timeout_s`), which would fail it as a timeout, so the workload allows 900 s.
 
-Why this tail: a synchronous step waits for its longest completion, decoded a token at a time at a batch of 2
-(about 0.1 s a token on 2 CPU cores), while training costs about the same per trained token whatever the
-lengths; a partial step waits for one segment of `PARTIAL_TOKENS`. The tail's cost to a synchronous step, and
-so what partial rollouts can save, grows with the tail's length over the segment's: several hundred tokens
-against a 256-token segment.
+Why this tail: a synchronous step waits for its longest completion, decoded a token at a time at a batch of 1
+or 2 (0.1-0.2 s a token on 2 shared CPU cores), while training costs about the same per trained token whatever
+the lengths; a partial step waits for one segment of `PARTIAL_TOKENS`. The tail's cost to a synchronous step,
+and so what partial rollouts can save, grows with the tail's length over the segment's: several hundred tokens
+against a 256-token segment. The 4-bit model rarely counts that far when asked (it stops early); the measured
+tail is then the completions that ramble to the cap, which the report's completion tokens show.
 
 Sides (`SIDES`), each a real `train` flow run (`flows.train.run_training`) in a subprocess of its own against
 one embedded Prefect server, with the same seed, examples and trainer:
