@@ -1,5 +1,7 @@
 """A real `trace-rl train` on the vLLM sampler whose EngineCore is SIGKILLed: the run fails fast, naming
-the engine, and `--resume` finishes it with the weights of a run that was never interrupted (issue 20)."""
+the engine, and `--resume` finishes it with the weights of a run that was never interrupted (issue 20). The same
+run, resumed, is then SIGKILLed itself: it leaves no process behind, and its next resume marks the killed flow runs
+Crashed and says where things are (issue 19, tests/flows/test_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import pytest
 
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, output, start, train_here, weights
+from tests.flows.test_crash_resume import output, start, train_here, weights
+from tests.flows.test_lifecycle import assert_killed_run_leaves_no_process_then_resume_takes_over, assert_refused, cli
+from trace_rl.machine.processes import descendants, name
 from trace_rl.storage import RunStorage
 
 STEPS = 3
@@ -109,13 +113,20 @@ def kill_engine_when(process: subprocess.Popen, ready, what: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefect_api, tmp_path, shared_vllm):
+def test_engine_killed_then_run_sigkilled_each_resumed_bitwise_leaving_no_process(prefect_api, tmp_path, shared_vllm):
     train_here(write_config(tmp_path, "straight"))  # on the session's engine of the same settings: none to start
     expected = weights(tmp_path, "straight")
 
     config = write_config(tmp_path, "engine-killed")  # a name no other test's flow runs have on the server
     storage = RunStorage(str(tmp_path / "runs"), "engine-killed")
     run = start(config)
+    # while its engine starts (20-40 s), a second process for the same run is refused
+    deadline = time.monotonic() + 300
+    while not any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid)):
+        assert run.poll() is None and time.monotonic() < deadline, output(run)[-3000:]
+        time.sleep(0.02)
+    assert_refused(cli("train", str(config), "--resume"), f"is being trained right now by process {run.pid}")
+
     err = kill_engine_when(run, sampling(run, storage, 2), "while step 2 sampled")
     assert "vLLM engine for 'policy'" in err and "died" in err, err[-3000:]
     assert not storage.exists(storage.step_path(2, "traces.parquet"))  # the kill landed inside the sampling
@@ -125,6 +136,7 @@ def test_engine_killed_while_sampling_and_at_a_reload_then_resumed_bitwise(prefe
                            "at the weight reload after step 2")
     assert "vLLM engine for 'policy'" in err, err[-3000:]
 
-    finish(start(config, "--resume"))
+    resumed = assert_killed_run_leaves_no_process_then_resume_takes_over(prefect_api, config, storage, STEPS)
     assert storage.stable_steps("weights") == [1, 2, 3]  # ckpt.keep_weights_every = 1
     assert weights(tmp_path, "engine-killed") == expected
+    assert "Failed to load weights" not in output(resumed), output(resumed)[-3000:]  # the reload after a resume

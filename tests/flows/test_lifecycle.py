@@ -1,6 +1,8 @@
 """A newcomer's first hour (issue 19), with real `trace-rl` processes and the real Prefect server: a SIGKILLed
 run leaves no process behind, its resume marks the killed flow runs Crashed, refusals are one line with
-exit code 2 and no flow run, and a run's output is quiet and says where things are."""
+exit code 2 and no flow run, and a run's output is quiet and says where things are. The SIGKILL is checked on the
+run tests/flows/test_engine_death.py kills its engine in (`assert_killed_run_leaves_no_process_then_resume_takes_over`),
+so one run with its engine pays for both."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import tomli_w
 
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import ROOT, finish, output, start
-from tests.flows.test_engine_death import write_config
 from trace_rl.machine.processes import descendants, is_alive, name, stat
 from trace_rl.storage import RunStorage
 
@@ -75,62 +76,57 @@ def alive(processes: dict[int, int]) -> list[str]:
     return [f"{name(pid)} (pid {pid})" for pid, start in processes.items() if is_alive(pid, start)]
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_sigkilled_run_leaves_no_process_and_its_resume_marks_it_crashed(prefect_api, tmp_path):
-    config = write_config(tmp_path, "killed-run", steps=2, completion_tokens=768)  # a sampling the API sees
-    run = start(config)
-
-    def wait_for(ready, what: str) -> None:
-        deadline = time.monotonic() + 300
-        while not ready():
-            assert run.poll() is None, f"the run ended before {what}: {output(run)[-3000:]}"
-            assert time.monotonic() < deadline, f"{what} never came"
-            time.sleep(0.02)
-
-    # while its engine starts (20-40 s), a second process for the same run is refused
-    wait_for(lambda: any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid)), "the engine")
-    assert_refused(cli("train", str(config), "--resume"), f"is being trained right now by process {run.pid}")
-
-    storage = RunStorage(str(tmp_path / "runs"), "killed-run")
-    # killed as soon as step 2's flow run is on the server: waiting for its sampling to show as engine CPU time
-    # could take longer than the step under load, and the kill then landed after step 2's weights
-    step_one_done = storage.step_path(1, "metrics.json")
-    wait_for(lambda: storage.exists(step_one_done) and bool(flow_runs(prefect_api, "killed-run-step-2")),
-             "step 2's flow run")
+def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, config, storage: RunStorage,
+                                                                steps: int) -> subprocess.Popen:
+    """Resume the run at `config` (of `steps` steps, on the vLLM sampler), SIGKILL its `trace-rl train` process
+    alone as soon as its last step's flow run is on the server, and check that no process of it outlives it by
+    `GONE_WITHIN_S`. Then resume it to its end: the new flow run takes the killed ones over (marked Crashed, naming
+    both), and its output is quiet and says where things are. Returns the finished resume
+    (tests/flows/test_engine_death.py runs this after killing the same run's engine twice)."""
+    run_name = storage.name
+    earlier = {r["id"] for r in flow_runs(api_url, run_name) + flow_runs(api_url, f"{run_name}-step-{steps}")}
+    run = start(config, "--resume")
+    # killed as soon as this process's flow run of the last step is on the server and its engine has started:
+    # waiting for its sampling to show as engine CPU time could take longer than the step under load, and the kill
+    # then landed after its weights
+    engine = lambda: any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid))  # noqa: E731
+    deadline = time.monotonic() + 300
+    while not ([r for r in flow_runs(api_url, f"{run_name}-step-{steps}") if r["id"] not in earlier] and engine()):
+        assert run.poll() is None, f"the run ended before step {steps}'s flow run: {output(run)[-3000:]}"
+        assert time.monotonic() < deadline, f"step {steps}'s flow run never came"
+        time.sleep(0.02)
     started = {pid: stat(pid).start for pid in descendants(run.pid)}
     assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
     run.wait()
     killed = time.monotonic()
-    # the kill landed inside step 2 (its sampling takes 2-4 s here)
-    assert 2 not in storage.stable_steps("weights")
+    assert steps not in storage.stable_steps("weights")  # the kill landed inside the last step
     while alive(started) and time.monotonic() - killed < GONE_WITHIN_S:
         time.sleep(0.1)
     assert not alive(started), f"still alive {GONE_WITHIN_S} s after the kill: {alive(started)}"
-    unfinished = lambda runs: [r for r in runs if r["state"]["type"] in ("RUNNING", "PENDING")]  # noqa: E731
-    (old,) = unfinished(flow_runs(prefect_api, "killed-run"))
-    step_runs = flow_runs(prefect_api, "killed-run-step-2")
+    unfinished = lambda runs: [r for r in runs if r["state"]["type"] in ("RUNNING", "PENDING")]
+    (old,) = unfinished(r for r in flow_runs(api_url, run_name) if r["id"] not in earlier)
+    step_runs = flow_runs(api_url, f"{run_name}-step-{steps}")
     assert len(unfinished(step_runs)) == 1, [(r["name"], r["state"]["type"]) for r in step_runs]
     (old_step,) = unfinished(step_runs)
 
     resumed = start(config, "--resume")
     finish(resumed)
-    new = [r for r in flow_runs(prefect_api, "killed-run") if r["id"] != old["id"]]
+    new = [r for r in flow_runs(api_url, run_name) if r["id"] not in earlier | {old["id"]}]
     assert [r["state"]["name"] for r in new] == ["Completed"]
     for killed_run in (old, old_step):
-        state = httpx.get(f"{prefect_api}/flow_runs/{killed_run['id']}", timeout=10).json()["state"]
+        state = httpx.get(f"{api_url}/flow_runs/{killed_run['id']}", timeout=10).json()["state"]
         assert state["name"] == "Crashed", state
         assert f"pid {run.pid}" in state["message"] and f"taken over by flow run {new[0]['id']}" in state["message"]
 
-    # the resumed run's output: quiet (one line per step, no vLLM reload warnings) and it says where things are
+    # the resumed run's output: quiet (one line per step, no tracebacks) and it says where things are
     text = output(resumed)
-    assert "Failed to load weights" not in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert re.search(r"^step 2/2: reward [0-9.]+, entropy", text, re.MULTILINE), text[-3000:]
+    assert re.search(rf"^step {steps}/{steps}: reward [0-9.]+, entropy", text, re.MULTILINE), text[-3000:]
     assert f"run directory:      {storage.url}" in text, text[-2000:]
-    assert f"weights of step 2:  {storage.url_of('weights', '000002')}" in text, text[-2000:]
-    assert f"this run in the UI: {prefect_api.removesuffix('/api')}/runs/flow-run/{new[0]['id']}" in text
+    assert f"weights of step {steps}:  {storage.url_of('weights', f'{steps:06d}')}" in text, text[-2000:]
+    assert f"this run in the UI: {api_url.removesuffix('/api')}/runs/flow-run/{new[0]['id']}" in text
+    return resumed
 
 
 @pytest.mark.slow

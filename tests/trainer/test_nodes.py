@@ -1,6 +1,6 @@
 """The trainer on two nodes over loopback (gloo, one process each): node 0 is this test's `TrainerWorkers`, node 1
-a `trace-rl trainer-node` process; their control files travel through the run's storage (a local path, and the
-tests' S3 server)."""
+a `trace-rl trainer-node` process; their control files travel through the run's storage (the tests' S3 server, and
+a local path)."""
 
 from __future__ import annotations
 
@@ -50,19 +50,18 @@ def one_process_weights(make_config) -> dict:
     return weights(store, STEPS)
 
 
-@pytest.fixture(params=["local", "s3"])
-def two_nodes(request, make_config, tmp_path):
+@pytest.fixture
+def two_nodes(make_config, tmp_path, s3_server):
     """`build(name)`: a two-node config (its run's config.toml written, as `trace-rl train` does, and its batches)
-    on a local path or the tests' S3 server, its storage, and the config file node 1 is started with."""
+    on the tests' S3 server, its storage, and the config file node 1 is started with. Two nodes on a local path,
+    killed and resumed the same way: tests/flows/test_trainer_nodes.py, through `trace-rl train`."""
 
     def build(name: str, **trainer):
         config = make_config(name, micro_batch_tokens=48, parallel="fsdp", nnodes=2,
                              rdzv_endpoint=f"127.0.0.1:{free_port()}", join_timeout_s=120,
                              node_timeout_s=NODE_TIMEOUT_S, **trainer)
-        update: dict = {"steps": STEPS, "env": ENV}
-        if request.param == "s3":
-            s3 = request.getfixturevalue("s3_server")
-            update.update(storage=f"s3://{s3['bucket']}/{tmp_path.name}", storage_options=s3["storage_options"])
+        update = {"steps": STEPS, "env": ENV, "storage": f"s3://{s3_server['bucket']}/{tmp_path.name}",
+                  "storage_options": s3_server["storage_options"]}
         config = Config.model_validate({**config.model_dump(), **update})
         store = with_batches(config)
         store.write_atomic(store.path("config.toml"), config_to_toml(config).encode())
