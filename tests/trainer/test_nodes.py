@@ -20,10 +20,10 @@ from tests.conftest import free_port
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.config import Config, config_to_toml
 from trace_rl.tables import write_batch
-from trace_rl.trainer.nodes import ControlDir, Heartbeat, NodeSession, heartbeat_interval
-from trace_rl.trainer.lifecycle import train_one_step
-from trace_rl.trainer.resume import TrainerError
 from trace_rl.trainer.launcher import TrainerWorkers
+from trace_rl.trainer.lifecycle import train_one_step
+from trace_rl.trainer.nodes import ControlDir, Heartbeat, NodeSession, heartbeat_interval
+from trace_rl.trainer.resume import TrainerError
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
