@@ -17,8 +17,12 @@ import pytest
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import output, start, train_here, weights
-from tests.flows.test_lifecycle import assert_killed_run_leaves_no_process_then_resume_takes_over, assert_refused, cli
-from trace_rl.machine.processes import descendants, name
+from tests.flows.test_lifecycle import (
+    assert_killed_run_leaves_no_process_then_resume_takes_over,
+    assert_refused,
+    cli,
+    engine_started,
+)
 from trace_rl.storage import RunStorage
 
 STEPS = 3
@@ -122,7 +126,7 @@ def test_engine_killed_then_run_sigkilled_each_resumed_bitwise_leaving_no_proces
     run = start(config)
     # while its engine starts (20-40 s), a second process for the same run is refused
     deadline = time.monotonic() + 300
-    while not any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid)):
+    while not engine_started(run):
         assert run.poll() is None and time.monotonic() < deadline, output(run)[-3000:]
         time.sleep(0.02)
     assert_refused(cli("train", str(config), "--resume"), f"is being trained right now by process {run.pid}")

@@ -72,6 +72,11 @@ def test_refusals_are_one_message_with_exit_code_2_and_no_flow_run(prefect_api, 
     assert flow_run_count(prefect_api) == before
 
 
+def engine_started(process: subprocess.Popen) -> bool:
+    """Whether a vLLM EngineCore process runs under `process`."""
+    return any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(process.pid))
+
+
 def alive(processes: dict[int, int]) -> list[str]:
     return [f"{name(pid)} (pid {pid})" for pid, start in processes.items() if is_alive(pid, start)]
 
@@ -89,9 +94,9 @@ def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, con
     # killed as soon as this process's flow run of the last step is on the server and its engine has started:
     # waiting for its sampling to show as engine CPU time could take longer than the step under load, and the kill
     # then landed after its weights
-    engine = lambda: any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(run.pid))  # noqa: E731
     deadline = time.monotonic() + 300
-    while not ([r for r in flow_runs(api_url, f"{run_name}-step-{steps}") if r["id"] not in earlier] and engine()):
+    while not ([r for r in flow_runs(api_url, f"{run_name}-step-{steps}") if r["id"] not in earlier]
+               and engine_started(run)):
         assert run.poll() is None, f"the run ended before step {steps}'s flow run: {output(run)[-3000:]}"
         assert time.monotonic() < deadline, f"step {steps}'s flow run never came"
         time.sleep(0.02)

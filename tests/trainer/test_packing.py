@@ -10,7 +10,7 @@ import torch
 
 from tests.trainer.conftest import make_batch
 from trace_rl.trainer.packing import PackingError, assign_to_ranks, collate, first_fit_decreasing, pack
-from trace_rl.trainer.trainer import token_logprobs
+from trace_rl.trainer.trainer import chunk_positions, token_logprobs
 from trace_rl.trainer.varlen import PACKED_ATTENTION
 
 
@@ -109,6 +109,14 @@ def test_sampled_tokens_at_the_sample_temperature_others_at_one(model):
     # the entropy follows the same rule
     p1 = torch.softmax(logits[9], -1)
     assert entropy[10].item() == pytest.approx(-(p1 * p1.log()).sum().item(), abs=1e-4)
+
+
+def test_an_output_layer_chunk_is_sized_by_logits_per_device_type():
+    """2^24 logits a chunk on a CPU (and any device without its own size), 2^29 on CUDA; at least one position."""
+    qwen = 151_936
+    assert chunk_positions(qwen) == chunk_positions(qwen, "cpu") == chunk_positions(qwen, "mps") == 110
+    assert chunk_positions(qwen, "cuda") == 3_533
+    assert chunk_positions(2**30, "cpu") == 1
 
 
 def test_chunked_logprobs_equal_the_full_logits_path_with_gradients(model):

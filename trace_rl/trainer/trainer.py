@@ -76,8 +76,8 @@ def warmup_factor(warmup_steps: int):
 
 
 # logits per output-layer chunk by device type; a chunk's backward holds ~4 float32 tensors of that many. 64 MB on a
-# CPU, where a larger chunk computes no faster. 2 GB on CUDA: chunks of 110 positions leave the GPU waiting on
-# kernel launches (bench/RESULTS-bf16.md, the H200 section).
+# CPU, sized for memory. 2 GB on CUDA: chunks of 110 positions left an H200 waiting on kernel launches
+# (bench/RESULTS-bf16.md, the H200 section).
 LOGITS_PER_CHUNK = {"cpu": 2**24, "cuda": 2**29}
 
 
