@@ -1,4 +1,4 @@
-"""Partial rollouts (`[async] partial_rollout_tokens`) on a long-tail workload: sync vs k = 1 vs partial, interleaved.
+"""Partial rollouts (`[async] partial_rollout_tokens`) on a long-tail workload against sync and k = 1, interleaved.
 
 The workload (`WORKLOAD`): the real SmolLM2-135M-Instruct (`smollm2-135m`, float32) on the in-process vLLM
 engine, the `dataset` env over `long_tail_rows()`: "Count from 1 to n, separated by commas." (system prompt:
@@ -18,15 +18,21 @@ and so what partial rollouts can save, grows with the tail's length over the seg
 against a 256-token segment. The 4-bit model rarely counts that far when asked (it stops early); the measured
 tail is then the completions that ramble to the cap, which the report's completion tokens show.
 
-Sides (`SIDES`), each a real `train` flow run (`flows.train.run_training`) in a subprocess of its own against
-one embedded Prefect server, with the same seed, examples and trainer:
+Sides (`SIDES`; `DEFAULT_SIDES` run unless `--sides` names others: each holds a vLLM engine and a trainer, about
+7 GB, and four do not fit in 24 GB), each a real `train` flow run (`flows.train.run_training`) in a subprocess of
+its own against one embedded Prefect server, with the same seed, examples and trainer:
 
 - `sync`: `max_off_policy_steps = 0`, every rollout of a step sampled to its end before training;
 - `k=1`: `max_off_policy_steps = 1`, step n + 1 sampled beside step n's training, rollouts still whole;
-- `partial`: `max_off_policy_steps = 1` and `partial_rollout_tokens = PARTIAL_TOKENS` (256). A long completion
-  is at most 768 tokens, so it ends in 3 segments, one per step: a token is then at most 2 steps older than its
-  step's on-policy weights, which k = 1 allows (`trace_rl.pipeline.token_age`: age <= 2k), and no token is
-  masked; a smaller N would mask the long rollouts' first tokens, a larger one makes each step wait longer.
+- `partial`: `partial_rollout_tokens = PARTIAL_TOKENS` (256) with `max_off_policy_steps = 0`: each step samples
+  one segment of its rollouts with the weights it trains from, then trains, nothing beside it. A long completion
+  is at most 768 tokens, so it ends in 3 segments, one per step: its first tokens are 2 steps old when it trains,
+  which `max_token_age = 2` allows, so no token is masked; a smaller N would mask the long rollouts' first tokens
+  (or need a larger bound), a larger one makes each step wait longer;
+- `partial k=1`: the same segments with `max_off_policy_steps = 1`, step n + 1's segment sampled beside step n's
+  training with the weights of step n - 1. Its default token age bound is 2k = 2, and its tokens are a step older
+  than on `partial` (a segment's tokens are 1 step old when sampled): a 3-segment rollout's first segment, 3 old,
+  is masked.
 
 The sides are interleaved step by step (bench/trl.py's `Side`: one side's step at a time, the order rotating),
 so a shared machine's load hits all alike. Each run is `steps + 1` steps long and stopped before its last one,
@@ -70,8 +76,12 @@ WORKLOAD = {
 SIDES = {  # overrides of the workload's config
     "sync": {"max_off_policy_steps": 0},
     "k=1": {"max_off_policy_steps": 1},
-    "partial": {"max_off_policy_steps": 1, "partial_rollout_tokens": PARTIAL_TOKENS},
+    "partial": {"max_off_policy_steps": 0, "partial_rollout_tokens": PARTIAL_TOKENS, "max_token_age": 2},
+    "partial k=1": {"max_off_policy_steps": 1, "partial_rollout_tokens": PARTIAL_TOKENS},
 }
+TARGET = ("partial", "sync")  # the pair the issue's 1.5x is about; every other ratio is reported
+# each side holds a vLLM engine and a trainer, about 7 GB: a fourth side does not fit in 24 GB beside them
+DEFAULT_SIDES = ("sync", "partial", "partial k=1")
 ENV = "dataset"
 NUMBER = re.compile(r"\d+")
 
@@ -103,7 +113,7 @@ def side_config(side: str, data: str, storage: str, steps: int, workload: dict =
 
     w = workload
     return Config(
-        name=f"bench-partial-{side.replace('=', '')}", steps=steps + 1, seed=0, storage=storage,
+        name=f"bench-partial-{side.replace('=', '').replace(' ', '-')}", steps=steps + 1, seed=0, storage=storage,
         model={"name": w["model"], "dtype": w["dtype"]},
         inference={"backend": "vllm", "max_model_len": w["max_model_len"], "request_timeout_s": w["request_timeout_s"]},
         sampling={"max_completion_tokens": w["max_completion_tokens"], "temperature": w["temperature"]},
@@ -215,7 +225,7 @@ def compare_groups(sides: dict) -> dict:
     return {"rows": rows, "means": means}
 
 
-def run(steps: int = STEPS, sides: tuple[str, ...] = tuple(SIDES)) -> dict:
+def run(steps: int = STEPS, sides: tuple[str, ...] = DEFAULT_SIDES) -> dict:
     from bench.step import use_private_prefect
 
     load_before = os.getloadavg()[0]
@@ -236,13 +246,14 @@ def run(steps: int = STEPS, sides: tuple[str, ...] = tuple(SIDES)) -> dict:
             prefect_server.stop()
     done = {name: s for name, s in results.items() if "error" not in s}
     ratios = {}
-    for ours, theirs in (("partial", "sync"), ("partial", "k=1"), ("k=1", "sync")):
+    for ours, theirs in (TARGET, ("partial k=1", "sync"), ("k=1", "sync"), ("partial", "k=1")):
         if ours in done and theirs in done:
             ratios[f"{ours} / {theirs}"] = {
                 "trained_tokens_per_s": done[ours]["trained_tokens_per_s"] / done[theirs]["trained_tokens_per_s"],
                 "steps_per_s": done[ours]["steps_per_s"] / done[theirs]["steps_per_s"]}
     loads = [x for s in done.values() for x in s["loads"]]
-    return {"workload": WORKLOAD, "partial_rollout_tokens": PARTIAL_TOKENS, "steps": steps, "sides": results,
+    return {"workload": WORKLOAD, "side_configs": {side: SIDES[side] for side in sides}, "steps": steps,
+            "sides": results,
             "ratios": ratios, "groups": compare_groups(done) if "sync" in done and len(done) > 1 else None,
             "target": 1.5, "load_before": load_before,
             "load_average": statistics.median(loads) if loads else os.getloadavg()[0],
@@ -252,7 +263,7 @@ def run(steps: int = STEPS, sides: tuple[str, ...] = tuple(SIDES)) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(DEFAULT_SIDES))
     parser.add_argument("--json", help="also write the full result here")
     parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)

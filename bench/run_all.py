@@ -350,9 +350,11 @@ def render_partial(r: dict) -> list[str]:
              f"{w['long_n'][0]}..{w['long_n'][1]} for 1 prompt in {w['long_every']} (a few hundred tokens), "
              f"{w['short_n'][0]}..{w['short_n'][1]} for the others; {w['prompts_per_step']} prompts x "
              f"{w['group_size']} completions a step, at most {w['max_completion_tokens']} tokens at temperature "
-             f"{w['temperature']}, grpo, lr {w['lr']}; partial: `partial_rollout_tokens = "
-             f"{r['partial_rollout_tokens']}`. Each side a real `train` flow run, {r['steps']} steps, interleaved "
-             "step by step; figures over steps 2..; medians of each step's metrics.json keys.", ""]
+             f"{w['temperature']}, grpo, lr {w['lr']}. Sides (`[async]`): "
+             + "; ".join(f"{name}: " + ", ".join(f"`{k} = {v}`" for k, v in overrides.items())
+                         for name, overrides in r["side_configs"].items())
+             + f". Each side a real `train` flow run, {r['steps']} steps, interleaved step by step; figures over "
+             "steps 2..; medians of each step's metrics.json keys.", ""]
     lines += table(["side", "trained sampled tokens/s", "steps/s", "step s", "step CPU s", "trained tokens/step",
                     "sampling s", "train s", "wait for sampling s", "segments/step", "in flight", "carried tokens",
                     "token age mean", "token age max", "age-masked tokens", "completion tokens long / short",
@@ -508,9 +510,10 @@ def targets(results: dict) -> list[list]:
     if (partial := get("partial")) is not None:
         for pair, x in partial["ratios"].items():
             if pair.startswith("partial"):
+                target = pair == "partial / sync"
                 rows.append([f"partial rollouts, trained sampled tokens/s, {pair} (long tail, SmolLM2-135M)",
-                             f"{x['trained_tokens_per_s']:.2f}x", f">= {partial['target']}x",
-                             x["trained_tokens_per_s"] >= partial["target"]])
+                             f"{x['trained_tokens_per_s']:.2f}x", f">= {partial['target']}x" if target else "> 1x",
+                             x["trained_tokens_per_s"] >= (partial["target"] if target else 1)])
     return rows
 
 

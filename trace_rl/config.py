@@ -500,18 +500,40 @@ class AsyncConfig(Strict):
 
     max_off_policy_steps: int = Field(
         0, ge=0, description="k: step n samples with the weights of step max(0, n - 1 - k), so sampling runs up to k "
-        "steps ahead of training; 0: synchronous (step n samples with the weights of step n - 1). With "
-        "partial_rollout_tokens also how many steps older than those weights a continued token may be "
-        "(stale_tokens)")
+        "steps ahead of training, beside it; 0: synchronous (step n samples with the weights of step n - 1, "
+        "before it trains)")
     partial_rollout_tokens: int | None = Field(
         None, ge=1, description="N: partial rollouts: keep rollouts in flight across steps, each advanced in "
         "segments of at most N sampled tokens; a step trains each env's batch_size groups that ended first, the "
-        "others continue next step under the new weights (envs played in-process that can be driven again; docs/async.md). Unset: every rollout "
-        "of a step is sampled to its end")
+        "others continue next step under the new weights (envs played in-process that can be driven again; "
+        "docs/async.md). Unset: every rollout of a step is sampled to its end")
+    max_token_age: int | None = Field(
+        None, ge=0, description="with partial_rollout_tokens: the oldest a trained token may be, in steps between "
+        "the weights that sampled it and those its step trains from (step n trains from weights n - 1: a token "
+        "of weights v is n - 1 - v old); older ones go by stale_tokens. Unset: 2 * max_off_policy_steps (a token "
+        "the schedule samples is up to k old, one continued from an earlier step up to k more); with "
+        "max_off_policy_steps = 0 set it >= 1")
     stale_tokens: Literal["mask", "drop"] = Field(
-        "mask", description="a token sampled by weights more than max_off_policy_steps steps older than those "
-        "its step samples with (only a rollout continued across steps holds one): 'mask' leaves it out of the "
-        "loss, 'drop' drops its whole rollout (docs/async.md)")
+        "mask", description="a token older than max_token_age (only a rollout continued across steps holds one): "
+        "'mask' leaves it out of the loss, 'drop' drops its whole rollout (docs/async.md)")
+
+    @model_validator(mode="after")
+    def _token_age_bounds_continued_tokens(self) -> AsyncConfig:
+        if self.max_token_age is None:
+            return self
+        if self.partial_rollout_tokens is None:
+            raise ValueError("async.max_token_age bounds the age of tokens continued across steps, which only "
+                             "async.partial_rollout_tokens keeps: set partial_rollout_tokens or remove max_token_age")
+        if self.max_token_age < self.max_off_policy_steps:
+            raise ValueError(f"async.max_token_age = {self.max_token_age} would mask every token: the schedule "
+                             f"samples tokens max_off_policy_steps = {self.max_off_policy_steps} steps old; set "
+                             f"max_token_age >= {self.max_off_policy_steps}")
+        return self
+
+    @property
+    def token_age_bound(self) -> int:
+        """The oldest a trained token may be (`max_token_age`, by default 2 * `max_off_policy_steps`)."""
+        return 2 * self.max_off_policy_steps if self.max_token_age is None else self.max_token_age
 
 
 class Config(Strict):

@@ -34,9 +34,11 @@ def test_each_side_is_a_valid_run_and_only_partial_cuts_rollouts(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(f'{{"prompt": "{r["prompt"]}", "answer": "{r["answer"]}"}}\n' for r in long_tail_rows()))
     configs = {side: side_config(side, str(data), str(tmp_path / "runs"), steps=3) for side in SIDES}
-    assert [c.async_.max_off_policy_steps for c in configs.values()] == [0, 1, 1]
-    assert [c.async_.partial_rollout_tokens for c in configs.values()] == [None, None, 256]
-    # a whole long count fits the cap, and the cap ends in 3 segments: a token's age stays within k = 1's bound of 2
+    assert [c.async_.max_off_policy_steps for c in configs.values()] == [0, 1, 0, 1]
+    assert [c.async_.partial_rollout_tokens for c in configs.values()] == [None, None, 256, 256]
+    # a whole long count fits the cap, and the cap ends in 3 segments, the first 2 steps old on `partial` (its
+    # max_token_age), 3 on `partial k=1` (beyond its default 2k: masked)
+    assert [c.async_.token_age_bound for c in configs.values()] == [0, 2, 2, 2]
     assert all(c.sampling.max_completion_tokens == 768 == 3 * 256 for c in configs.values())
     # a whole 768-token completion on a loaded machine is not failed as a sampler timeout
     assert all(c.inference.request_timeout_s == 900 for c in configs.values())
@@ -46,7 +48,7 @@ def test_each_side_is_a_valid_run_and_only_partial_cuts_rollouts(tmp_path):
 
 def test_the_sides_rows_summarize_and_render_side_by_side():
     """Two steps of made-up per-step rows through the module's summary, group comparison and RESULTS.md table."""
-    from bench.partial import PARTIAL_TOKENS, compare_groups, summarize
+    from bench.partial import SIDES, compare_groups, summarize
     from bench.run_all import render_partial, targets
 
     def rows(step_seconds: float, rewards: tuple[float, float]) -> list[dict]:
@@ -63,9 +65,10 @@ def test_the_sides_rows_summarize_and_render_side_by_side():
     assert sides["sync"]["completion_tokens"] == {"long": 10.0, "short": 10.0}
     groups = compare_groups(sides)
     assert len(groups["rows"]) == 4 and groups["means"]["long"] == pytest.approx({"sync": 0.3, "partial": 0.4, "groups": 2})
-    result = {"workload": WORKLOAD, "partial_rollout_tokens": PARTIAL_TOKENS, "steps": 2, "sides": sides,
+    result = {"workload": WORKLOAD, "side_configs": {name: SIDES[name] for name in sides}, "steps": 2, "sides": sides,
               "ratios": {"partial / sync": {"trained_tokens_per_s": 2.0, "steps_per_s": 2.0}}, "groups": groups,
               "target": 1.5, "load_before": 1.0, "load_range": [2.0, 2.0]}
     text = "\n".join(render_partial(result))
+    assert "partial: `max_off_policy_steps = 0`, `partial_rollout_tokens = 256`, `max_token_age = 2`." in text
     assert "| sync | 50.000 |" in text and "| partial | 100.000 |" in text and "| step1 | 0.20* 0.20 | 0.30* 0.30 |" in text
     assert targets({"partial": {"result": result}})[-1][1:] == ["2.00x", ">= 1.5x", True]

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.flows.test_crash_resume import STEPS, finish, output, start, train_here, write_config
+from trace_rl.pipeline.partial import read_in_flight
 from trace_rl.pipeline.schedule import sampling_weights
 from trace_rl.pipeline.token_age import oldest_version
 from trace_rl.storage import RunStorage, step_name
@@ -62,7 +63,7 @@ def test_partial_rollouts_compose_with_two_envs_lora_prefix_sharing_eval_and_rep
         for sample in batch:  # the batch's versions are the trace's, within what max_off_policy_steps allows
             versions = sample.policy_versions[sample.sampled]
             assert versions.tolist() == sampled_versions(traces[sample.trace_id].branches[0])
-            assert oldest_version(step, 1) <= versions.min() and versions.max() <= sampling_weights(step, 1)
+            assert oldest_version(step, 2) <= versions.min() and versions.max() <= sampling_weights(step, 1)
             carried += len(set(versions.tolist())) > 1
         for table in ("traces.parquet", "batch.parquet"):
             assert "policy_versions" in pq.read_schema(storage.step_path(step, table)).names
@@ -85,6 +86,37 @@ def test_partial_rollouts_compose_with_two_envs_lora_prefix_sharing_eval_and_rep
     for step in range(1, STEPS + 1):  # the replay of a run with partial rollouts reproduces its batches
         assert pq.read_table(replayed.step_path(step, "batch.parquet")).equals(
             pq.read_table(storage.step_path(step, "batch.parquet")))
+
+
+def test_without_overlap_each_step_samples_its_segments_with_the_weights_it_trains_from(prefect_api, tmp_path):
+    """`max_off_policy_steps = 0`: each step samples its segments with the weights of the step before it, before it
+    trains, and nothing beside training; the tokens a rollout carries from an earlier step train (they are 1 step
+    old, within `max_token_age = 1`), older ones would be masked."""
+    config = write_config(tmp_path, "no-overlap", **{
+        **{key: value for key, value in COMPOSED.items() if key != "eval"}, "env": ENVS[:1],
+        "async": {"max_off_policy_steps": 0, "partial_rollout_tokens": SEGMENT, "max_token_age": 1},
+        "model": {key: value for key, value in COMPOSED["model"].items() if key != "lora"}})
+    train_here(config)
+    storage = RunStorage(str(tmp_path / "runs"), "no-overlap")
+    carried = 0
+    for step in range(1, STEPS + 1):
+        traces = {t.id: t for t in read_traces(storage, step)}
+        batch = read_batch(storage, step)
+        metrics = storage.read_json(storage.step_path(step, "metrics.json"))
+        assert "time/wait_for_sampling" not in metrics and metrics["time/sample_rollouts"] > 0  # sampled in the step
+        masked, newest = 0, []
+        for sample in batch:
+            versions = sample.policy_versions
+            assert versions[sample.sampled].tolist() == sampled_versions(traces[sample.trace_id].branches[0])
+            newest.append(int(versions[sample.sampled].max()))
+            masked += int((sample.sampled & (versions < step - 2)).sum())  # age = step - 1 - v > 1
+            carried += int((sample.rl_mask & (versions == step - 2)).sum())  # age 1: trained
+        assert metrics["batch/age_masked_tokens"] == masked
+        # this step's segments (in the traces it trained or the rollouts it left in flight): sampled with the
+        # weights it trains from, none newer
+        newest += [v for record in read_in_flight(storage, step) for call in record.calls for v in call.versions]
+        assert max(newest) == step - 1
+    assert carried, "no trained rollout was carried over from an earlier step: change the stop tokens or the seed"
 
 
 # every stage of step 2, whose rollouts continue those step 1 left in flight, in the order the run passes them

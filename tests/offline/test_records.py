@@ -129,3 +129,15 @@ def test_records_sampled_behind_their_step_are_not_refused_as_stale(tmp_path):
     check_staleness(plan.records[3], 3, plan.config.async_.max_off_policy_steps)
     with pytest.raises(StaleTraceError):
         check_staleness(plan.records[3], 3, 0)
+
+    # a rollout continued across steps: its first tokens sampled at step 1 with the base model, 2 steps old
+    from tests.data.test_trace import make_branch
+    from trace_rl.pipeline.token_age import stale
+
+    branch = make_branch(n=7)
+    branch.policy_versions = np.array([-1, -1, -1, 0, 0, 2, 2], np.int32)
+    write_records(path, {3: [make_trace("c", branches=[branch], policy_step=2)]})
+    plan = check_records_replay(path, [AlgorithmConfig(id="grpo")], str(tmp_path / "out"))
+    assert plan.config.async_.max_off_policy_steps == 2  # the oldest token's age: so no token is masked either
+    (back,) = plan.records[3]
+    assert not stale(back.branches[0].policy_versions, branch.sampled, 3, plan.config.async_.token_age_bound).any()

@@ -16,7 +16,7 @@ import tomli_w
 from tests.data.test_trace import make_branch, make_trace
 from tests.flows.conftest import small_config
 from tests.inference.conftest import save_updated_model, trainer_logprobs
-from trace_rl.config import Config
+from trace_rl.config import AsyncConfig, Config
 from trace_rl.data.sample import TrainingSample
 from trace_rl.data.trace import Message
 from trace_rl.envs.base import Environment, Example
@@ -256,8 +256,8 @@ def aged_trace(trace_id: str, versions: list[int]):
     return make_trace(trace_id, branches=[branch], policy_step=max(versions))
 
 
-def test_tokens_older_than_max_off_policy_steps_are_masked_or_their_rollout_dropped():
-    # step 6 with k = 1 samples with v(6) = 4: tokens of weights 3 and newer train, older ones are stale
+def test_tokens_older_than_max_token_age_are_masked_or_their_rollout_dropped():
+    # step 6 trains from weights 5; with max_token_age 2 tokens of weights 3 and newer train, older ones are stale
     fresh, carried, stale = aged_trace("fresh", [4, 4]), aged_trace("carried", [3, 4]), aged_trace("stale", [2, 3])
     # ages 6 - 1 - v: 1, 1 | 2, 1 | 3, 2
     assert age_metrics([fresh, carried, stale], 6) == {"async/token_age_mean": 10 / 6, "async/token_age_max": 3.0}
@@ -269,13 +269,16 @@ def test_tokens_older_than_max_off_policy_steps_are_masked_or_their_rollout_drop
         for t in (fresh, carried, stale) for b in t.branches
     ]
     channel_mask = samples[2].rl_mask
-    assert mask_stale(samples, 6, 1) == 1
+    assert mask_stale(samples, 6, 2) == 1
     assert [s.rl_mask[3:].tolist() for s in samples] == [[True, True], [True, True], [False, True]]
     assert channel_mask.tolist() == [False, False, False, True, True]  # the channel's own array is left as it was
-    assert drop_stale([[fresh], [carried], [stale]], 6, 1) == 1
+    assert drop_stale([[fresh], [carried], [stale]], 6, 2) == 1
     assert [t.error is None for t in (fresh, carried, stale)] == [True, True, False]
     assert stale.error.startswith("dropped for age")
-    assert mask_stale(samples, 6, 2) == 0  # k = 2: weights 1 and newer train
+    assert mask_stale(samples, 6, 3) == 0  # max_token_age 3: weights 2 and newer train
+    bound = [AsyncConfig(max_off_policy_steps=k, partial_rollout_tokens=4, max_token_age=age).token_age_bound
+             for k, age in ((1, None), (3, None), (0, 2), (1, 1))]
+    assert bound == [2, 6, 2, 1]  # unset: 2 * max_off_policy_steps
 
 
 class SandboxEnv(ReverseText):
@@ -287,7 +290,11 @@ class SandboxEnv(ReverseText):
 @pytest.mark.parametrize("change, problem", [
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 0}},
      "async.partial_rollout_tokens: Input should be greater than or equal to 1"),
-    ({"async": {"partial_rollout_tokens": 4}}, "set async.max_off_policy_steps >= 1"),
+    ({"async": {"partial_rollout_tokens": 4}}, "set async.max_token_age >= 1"),
+    ({"async": {"max_token_age": 2}}, "async.max_token_age bounds the age of tokens continued across steps"),
+    ({"async": {"max_off_policy_steps": 2, "partial_rollout_tokens": 4, "max_token_age": 1}},
+     ("async.max_token_age = 1 would mask every token: the schedule samples tokens max_off_policy_steps = 2 steps "
+      "old; set max_token_age >= 2")),
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 4},
       "env": [{"id": "tests.pipeline.test_partial:SandboxEnv", "batch_size": 2, "group_size": 2}]},
      ("env.0: async.partial_rollout_tokens continues a rollout by driving its env again with the tokens it sampled, "

@@ -59,7 +59,7 @@ def test_async_is_a_toml_table_with_a_checked_key():
     config = parse_config({"name": "x", "env": [{"id": "reverse-text"}], "async": {"max_off_policy_steps": 2}})
     assert config.async_.max_off_policy_steps == 2
     assert config.model_dump(mode="json")["async"] == {"max_off_policy_steps": 2, "partial_rollout_tokens": None,
-                                                       "stale_tokens": "mask"}
+                                                       "max_token_age": None, "stale_tokens": "mask"}
     with pytest.raises(ConfigError, match="async.max_off_policy_steps: Input should be greater than or equal to 0"):
         parse_config({"name": "x", "env": [{"id": "reverse-text"}], "async": {"max_off_policy_steps": -1}})
     with pytest.raises(ConfigError, match="async.max_off_policy_step: unknown key; did you mean "

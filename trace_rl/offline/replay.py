@@ -37,6 +37,7 @@ from trace_rl.pipeline.step import (
     validate_dimensions,
     write_batch,
 )
+from trace_rl.pipeline.token_age import token_ages
 from trace_rl.runs.loading import validate_config
 from trace_rl.storage import RunStorage, check_run_version, check_wipe, overlap
 from trace_rl.tables import read_batch, read_traces, write_channels, write_traces
@@ -108,8 +109,10 @@ def check_records_replay(traces: str, algorithms: list[AlgorithmConfig], out: st
     recorded = read_records(traces, storage_options)
     chosen = parse_steps(steps, sorted(recorded), source=f"--traces {traces}")
     envs = list(dict.fromkeys(trace.env for step in chosen for trace in recorded[step]))
-    # the records were sampled as far behind their steps as they were: replay does not refuse them as stale
-    lag = max((step - 1 - trace.policy_step for step in chosen for trace in recorded[step]), default=0)
+    # the records were sampled as far behind their steps as they were: replay neither refuses a record as stale nor
+    # masks a token of one continued across steps (its age bound, 2 * lag, is at least every token's age)
+    lag = max((int(token_ages(trace, step).max(initial=step - 1 - trace.policy_step))
+               for step in chosen for trace in recorded[step]), default=0)
     data: dict[str, Any] = {"name": out_storage.name, "storage": out_storage.storage,
                             "storage_options": storage_options or {}, "env": [{"id": env} for env in envs],
                             "algorithms": [a.model_dump() for a in algorithms],

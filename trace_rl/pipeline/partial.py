@@ -8,7 +8,9 @@ rollouts have all ended. Each env
 trains exactly `batch_size` of its ended groups, oldest first (by origin step, then example); the others stay in
 flight. A rollout that has not ended continues at the next step under that step's weights, from its exact token
 ids: the prompt plus every token sampled so far, never re-tokenized. Each token records the weights that sampled it
-(`Branch.policy_versions`), and its logprob is the one those weights gave it.
+(`Branch.policy_versions`), and its logprob is the one those weights gave it. The weights are those the schedule of
+`[async] max_off_policy_steps` gives the step (trace_rl.pipeline.schedule: with k = 0 the step's own, sampled before
+it trains), and `[async] max_token_age` bounds how old a trained token may be (trace_rl.pipeline.token_age).
 
 A segment is sampled by driving the env's rollout again with what it sampled so far, the sequence of its
 `generate` calls (`Call`): the k-th call of the drive returns the k-th recorded one's completion when that call had
@@ -111,10 +113,10 @@ def check_partial(config: Config) -> list[str]:
         return []
     key = "async.partial_rollout_tokens"
     problems = []
-    if config.async_.max_off_policy_steps < 1:
-        problems.append(f"{key} continues rollouts under newer weights: set async.max_off_policy_steps >= 1, how "
-                        "many steps older than a step's sampling weights a continued token may be "
-                        "(trace_rl.pipeline.token_age)")
+    if config.async_.token_age_bound < 1:
+        problems.append(f"{key} continues rollouts under newer weights, but async.max_token_age = 0 would mask every "
+                        "token an earlier step sampled: set async.max_token_age >= 1, how many steps older than "
+                        "the weights its step trains from a trained token may be (trace_rl.pipeline.token_age)")
     if config.inference.base_url:
         problems.append(f"inference.base_url: {key} continues rollouts on an in-process sampler only yet (the hf "
                         f"or vllm backend); remove base_url or {key}")
@@ -254,7 +256,7 @@ class PartialSummary(RolloutSummary):
     in_flight: int = 0  # rollouts left in flight after the step (ended ones waiting to train included)
     carried_tokens: int = 0  # tokens the step's trained rollouts sampled in earlier steps
     rounds: int = 0  # segments the step advanced its unfinished rollouts by
-    dropped_for_age: int = 0  # rollouts dropped for a token older than max_off_policy_steps (stale_tokens = 'drop')
+    dropped_for_age: int = 0  # rollouts dropped for a token older than max_token_age (stale_tokens = 'drop')
 
     def metrics(self) -> dict[str, float]:
         return {**super().metrics(), "partial/in_flight": float(self.in_flight),
@@ -329,7 +331,7 @@ async def play_partial_rollouts(config: Config, runtimes: Mapping[str, ModelRunt
         summary.envs[name] = summarize(env_rollouts)
         check_error_fraction(config, env_index, name, step, summary.envs[name], env_rollouts)
     if config.async_.stale_tokens == "drop":
-        summary.dropped_for_age = drop_stale(rollouts, step, config.async_.max_off_policy_steps)
+        summary.dropped_for_age = drop_stale(rollouts, step, config.async_.token_age_bound)
     traces = [trace for rollout in rollouts for trace in rollout]
     summary.errors = list(dict.fromkeys(t.error for t in traces if t.error))[:MAX_LISTED_ERRORS]
     return traces, summary
