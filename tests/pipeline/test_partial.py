@@ -290,7 +290,9 @@ class SandboxEnv(ReverseText):
 @pytest.mark.parametrize("change, problem", [
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 0}},
      "async.partial_rollout_tokens: Input should be greater than or equal to 1"),
-    ({"async": {"partial_rollout_tokens": 4}}, "set async.max_token_age >= 1"),
+    ({"async": {"partial_rollout_tokens": 4}},
+     ("async.max_token_age = 0 (unset: 2 * max_off_policy_steps) would mask every token an earlier step sampled: "
+      "set async.max_token_age >= 1")),
     ({"async": {"max_token_age": 2}}, "async.max_token_age bounds the age of tokens continued across steps"),
     ({"async": {"max_off_policy_steps": 2, "partial_rollout_tokens": 4, "max_token_age": 1}},
      ("async.max_token_age = 1 would mask every token: the schedule samples tokens max_off_policy_steps = 2 steps "

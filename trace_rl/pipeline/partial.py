@@ -114,9 +114,10 @@ def check_partial(config: Config) -> list[str]:
     key = "async.partial_rollout_tokens"
     problems = []
     if config.async_.token_age_bound < 1:
-        problems.append(f"{key} continues rollouts under newer weights, but async.max_token_age = 0 would mask every "
-                        "token an earlier step sampled: set async.max_token_age >= 1, how many steps older than "
-                        "the weights its step trains from a trained token may be (trace_rl.pipeline.token_age)")
+        unset = " (unset: 2 * max_off_policy_steps)" if config.async_.max_token_age is None else ""
+        problems.append(f"{key} continues rollouts under newer weights, but async.max_token_age = 0{unset} would mask "
+                        "every token an earlier step sampled: set async.max_token_age >= 1, how many steps older "
+                        "than the weights its step trains from a trained token may be (trace_rl.pipeline.token_age)")
     if config.inference.base_url:
         problems.append(f"inference.base_url: {key} continues rollouts on an in-process sampler only yet (the hf "
                         f"or vllm backend); remove base_url or {key}")
