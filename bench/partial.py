@@ -1,22 +1,25 @@
 """Partial rollouts (`[async] partial_rollout_tokens`) on a long-tail workload against sync and k = 1, interleaved.
 
 The workload (`WORKLOAD`): the real SmolLM2-135M-Instruct (`smollm2-135m`, float32) on the in-process vLLM
-engine, the `dataset` env over `long_tail_rows()`: "Count from 1 to n, separated by commas." (system prompt:
-numbers only) with n from 4 to 10 for 7 of every 8 prompts and from 140 to 160 for the 8th. Rows are not
-shuffled, so every step's 8 prompts hold exactly one long one: 1 in 8 completions runs to about 600-660 tokens
-(SmolLM2 writes a digit a token, then "," and " "), the rest to under 30 when the model does as asked. The
-reward (`counting_reward`) is the length of the completion's correct prefix 1, 2, 3 ... (at most n) over the
-larger of n and how many numbers it wrote: 1 for a complete count that stops, less for stopping early, running
-past n or rambling. 8 prompts x 2 completions a step, grpo, lr 2e-5, at most 768 completion tokens at
-temperature 0.7. A 768-token completion on a loaded 2-core machine outlasts the sampler's default 120 s
-(`inference.request_timeout_s`), which would fail it as a timeout, so the workload allows 900 s.
+engine, the `dataset` env over `long_tail_rows()`, not shuffled, so every step's 8 prompts hold exactly one story:
+- 1 prompt in 8: "Write a story of about 600 words about <subject>." (`STORIES`). Measured before choosing it
+  (16 completions, 2 per subject, temperature 0.7): 365 to 1024 tokens, median about 500, 5 of 16 at the 1024
+  cap. Its reward (`story_reward`): half for naming the subject's word, half for ending on a finished sentence
+  (a story cut at the cap does not).
+- the other 7: "Count from 1 to n, separated by commas." with n from 10 down to 4 under the system prompt
+  "Reply with the numbers only, separated by commas.": 4 to 88 tokens in the same measurement. Its reward
+  (`counting_reward`): the length of the completion's correct prefix 1, 2, 3 ... (at most n) over the larger of
+  n and how many numbers it wrote.
+So 1 completion in 8 runs to several hundred tokens and the rest stay short. 8 prompts x 2 completions a step,
+grpo, lr 2e-5, at most 1024 completion tokens at temperature 0.7. A 1024-token completion on a loaded 2-core
+machine outlasts the sampler's default 120 s (`inference.request_timeout_s`), so the workload allows 900 s.
 
 Why this tail: a synchronous step waits for its longest completion, decoded a token at a time at a batch of 1
-or 2 (0.1-0.2 s a token on 2 shared CPU cores), while training costs about the same per trained token whatever
-the lengths; a partial step waits for one segment of `PARTIAL_TOKENS`. The tail's cost to a synchronous step,
-and so what partial rollouts can save, grows with the tail's length over the segment's: several hundred tokens
-against a 256-token segment. The 4-bit model rarely counts that far when asked (it stops early); the measured
-tail is then the completions that ramble to the cap, which the report's completion tokens show.
+or 2 (about 0.11 s a token on this machine's vLLM), while training costs about the same per trained token
+whatever the lengths; a partial step waits for one segment of `PARTIAL_TOKENS`. What partial rollouts can save
+grows with the tail's length over the segment's: up to 1024 tokens against a 256-token segment. An earlier
+workload asked for a count to 140-160 as its long prompt; the model seldom counted that far, so its tail was
+rare and the measured gain small (docs/benchmarks.md).
 
 Sides (`SIDES`; `DEFAULT_SIDES` run unless `--sides` names others: each holds a vLLM engine and a trainer, about
 7 GB, and four do not fit in 24 GB), each a real `train` flow run (`flows.train.run_training`) in a subprocess of
@@ -25,20 +28,22 @@ its own against one embedded Prefect server, with the same seed, examples and tr
 - `sync`: `max_off_policy_steps = 0`, every rollout of a step sampled to its end before training;
 - `k=1`: `max_off_policy_steps = 1`, step n + 1 sampled beside step n's training, rollouts still whole;
 - `partial`: `partial_rollout_tokens = PARTIAL_TOKENS` (256) with `max_off_policy_steps = 0`: each step samples
-  one segment of its rollouts with the weights it trains from, then trains, nothing beside it. A long completion
-  is at most 768 tokens, so it ends in 3 segments, one per step: its first tokens are 2 steps old when it trains,
-  which `max_token_age = 2` allows, so no token is masked; a smaller N would mask the long rollouts' first tokens
-  (or need a larger bound), a larger one makes each step wait longer;
+  one segment of its rollouts with the weights it trains from, then trains, nothing beside it. A story is at
+  most 1024 tokens, so it ends in at most 4 segments, one per step: its first tokens are at most 3 steps old when
+  it trains, which `max_token_age = 3` allows, so no token is masked; a smaller N would need a larger bound and
+  prefill each continued rollout more often, a larger one makes each step wait longer;
 - `partial k=1`: the same segments with `max_off_policy_steps = 1`, step n + 1's segment sampled beside step n's
-  training with the weights of step n - 1. Its default token age bound is 2k = 2, and its tokens are a step older
-  than on `partial` (a segment's tokens are 1 step old when sampled): a 3-segment rollout's first segment, 3 old,
-  is masked.
+  training with the weights of step n - 1. Its tokens are a step older than on `partial` (a segment's tokens
+  are 1 step old when sampled), so a 4-segment story's first tokens are 4 steps old: `max_token_age = 4` keeps
+  them (the default, 2k = 2, would mask them).
 
 The sides are interleaved step by step (bench/trl.py's `Side`: one side's step at a time, the order rotating),
 so a shared machine's load hits all alike. Each run is `steps + 1` steps long and stopped before its last one,
 so every measured step of the k = 1 sides samples the next one beside its training, as in the middle of a run;
-no checkpoints (the same on every side), the weights exported every step for the sampler. Step 1 loads the
-models (and with k = 1 samples ahead alone), so figures are over steps 2 .. steps:
+no checkpoints (the same on every side), the weights exported every step for the sampler. Figures are over the
+steps after `warmup_steps` (3): step 1 loads the models (and with k = 1 samples ahead alone), and the partial
+sides fill their pipeline until step 4, when the first stories (up to 4 segments, from step 1) can end; until
+then they train only counts, so a shorter window would credit them with shorter batches:
 
 - trained sampled tokens per second: the steps' `batch/rl_tokens` (sampled tokens that carry the rl loss, age-
   masked ones excluded) over the steps' wall time; steps per second;
@@ -49,7 +54,7 @@ models (and with k = 1 samples ahead alone), so figures are over steps 2 .. step
   trains the same examples (the partial side later, when its long rollouts end), so the groups trained on all
   sides are compared one to one, long and short apart.
 
-    python -m bench.partial [--steps 6]
+    python -m bench.partial [--steps 7] [--sides sync partial]
 """
 
 from __future__ import annotations
@@ -65,19 +70,24 @@ import time
 
 from bench.trl import END, ROW, Side, interleave, report, tree_cpu_seconds, wait_for_turn
 
-STEPS = 6
+STEPS = 7
 PARTIAL_TOKENS = 256
+STORIES = (  # (subject, the word a story about it names)
+    ("a dragon who learns to read", "dragon"), ("a lighthouse keeper who finds a message in a bottle", "lighthouse"),
+    ("a robot who wants to become a gardener", "robot"), ("two friends lost in a snowy forest", "snow"),
+    ("a cat who runs a bakery", "cat"), ("a girl who builds a boat to cross the sea", "boat"),
+    ("an old clockmaker and his last clock", "clock"), ("a village that forgets how to sing", "village"))
 WORKLOAD = {
     "model": "smollm2-135m", "dtype": "float32", "prompts_per_step": 8, "group_size": 2, "long_every": 8,
-    "short_n": (4, 10), "long_n": (140, 160), "rows": 64, "max_completion_tokens": 768, "max_model_len": 896,
-    "temperature": 0.7, "lr": 2e-5, "micro_batch_tokens": 1024, "request_timeout_s": 900.0,
+    "short_n": (4, 10), "story_words": 600, "rows": 64, "max_completion_tokens": 1024, "max_model_len": 1152,
+    "temperature": 0.7, "lr": 2e-5, "micro_batch_tokens": 1152, "request_timeout_s": 900.0, "warmup_steps": 3,
     "system_prompt": "Reply with the numbers only, separated by commas.",
 }
 SIDES = {  # overrides of the workload's config
     "sync": {"max_off_policy_steps": 0},
     "k=1": {"max_off_policy_steps": 1},
-    "partial": {"max_off_policy_steps": 0, "partial_rollout_tokens": PARTIAL_TOKENS, "max_token_age": 2},
-    "partial k=1": {"max_off_policy_steps": 1, "partial_rollout_tokens": PARTIAL_TOKENS},
+    "partial": {"max_off_policy_steps": 0, "partial_rollout_tokens": PARTIAL_TOKENS, "max_token_age": 3},
+    "partial k=1": {"max_off_policy_steps": 1, "partial_rollout_tokens": PARTIAL_TOKENS, "max_token_age": 4},
 }
 TARGET = ("partial", "sync")  # the pair the issue's 1.5x is about; every other ratio is reported
 # each side holds a vLLM engine and a trainer, about 7 GB: a fourth side does not fit in 24 GB beside them
@@ -87,17 +97,25 @@ NUMBER = re.compile(r"\d+")
 
 
 def long_tail_rows(workload: dict = WORKLOAD) -> list[dict]:
-    """The dataset's rows: every `long_every`-th asks to count to a long n, the others to a short one."""
+    """The dataset's rows (`messages`, `answer`): every `long_every`-th asks for a story, the others for a count."""
     rows, every = [], workload["long_every"]
     for i in range(workload["rows"]):
         if i % every == 0:
-            low, high = workload["long_n"]
-            n = low + (i * 7) % (high - low + 1)
+            subject, word = STORIES[i // every % len(STORIES)]
+            messages = [{"role": "user",
+                         "content": f"Write a story of about {workload['story_words']} words about {subject}."}]
+            rows.append({"messages": messages, "answer": word})
         else:  # 10, 9, ... 4 in each run of 8 rows
             n = workload["short_n"][1] + 1 - i % every
-        rows.append({"prompt": f"Count from 1 to {n}, separated by commas.",
-                     "answer": ", ".join(str(x) for x in range(1, n + 1))})
+            rows.append({"messages": [{"role": "system", "content": workload["system_prompt"]},
+                                      {"role": "user", "content": f"Count from 1 to {n}, separated by commas."}],
+                         "answer": ", ".join(str(x) for x in range(1, n + 1))})
     return rows
+
+
+def is_story(answer: str) -> bool:
+    """Whether a row's answer is a story's word (else it is the count 1, 2, ... n)."""
+    return not answer[:1].isdigit()
 
 
 def counting_reward(completion: str, answer: str) -> float:
@@ -106,6 +124,17 @@ def counting_reward(completion: str, answer: str) -> float:
     numbers = [int(x) for x in NUMBER.findall(completion)]
     correct = next((i for i, x in enumerate(numbers[:n]) if x != i + 1), min(n, len(numbers)))
     return correct / max(n, len(numbers))
+
+
+def story_reward(completion: str, word: str) -> float:
+    """Half for naming the story's subject (`word`, any case), half for ending on a finished sentence."""
+    ends = completion.rstrip().rstrip("\"'*)").endswith((".", "!", "?"))
+    return 0.5 * (word.lower() in completion.lower()) + 0.5 * ends
+
+
+def long_tail_reward(completion: str, answer: str) -> float:
+    """The row's reward: `story_reward` for a story, `counting_reward` for a count."""
+    return story_reward(completion, answer) if is_story(answer) else counting_reward(completion, answer)
 
 
 def side_config(side: str, data: str, storage: str, steps: int, workload: dict = WORKLOAD):
@@ -118,8 +147,8 @@ def side_config(side: str, data: str, storage: str, steps: int, workload: dict =
         inference={"backend": "vllm", "max_model_len": w["max_model_len"], "request_timeout_s": w["request_timeout_s"]},
         sampling={"max_completion_tokens": w["max_completion_tokens"], "temperature": w["temperature"]},
         env=[{"id": ENV, "batch_size": w["prompts_per_step"], "group_size": w["group_size"],
-              "args": {"path": data, "shuffle": False, "reward": "bench.partial:counting_reward",
-                       "system_prompt": w["system_prompt"]}}],
+              "args": {"path": data, "shuffle": False, "reward": "bench.partial:long_tail_reward",
+                       "messages_column": "messages"}}],
         algorithms=["grpo"], async_=SIDES[side],
         trainer={"lr": w["lr"], "micro_batch_tokens": w["micro_batch_tokens"]},
         ckpt={"interval": steps + 100, "keep_weights_every": 0},
@@ -131,7 +160,7 @@ class Stop(Exception):
 
 
 def group_rewards(storage, step: int) -> dict[str, dict]:
-    """Each trained group of the step: its mean reward, whether it counts to a long n, its mean completion tokens."""
+    """Each trained group of the step: its mean reward, whether it is a story (long), its mean completion tokens."""
     from trace_rl.tables import read_traces
 
     groups: dict[str, list] = {}
@@ -139,7 +168,7 @@ def group_rewards(storage, step: int) -> dict[str, dict]:
         groups.setdefault(trace.group_id, []).append(trace)
     return {group_id: {
         "reward": statistics.mean(t.reward for t in traces), "step": step,
-        "long": len(traces[0].info["answer"].split(",")) >= WORKLOAD["long_n"][0],
+        "long": is_story(traces[0].info["answer"]),
         "completion_tokens": statistics.mean(int(b.sampled.sum()) for t in traces for b in t.branches)}
         for group_id, traces in groups.items()}
 
@@ -183,8 +212,8 @@ KEYS = ("partial/rounds", "partial/in_flight", "partial/carried_tokens", "async/
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Over the steps after the first: throughput, medians of the `time/*` and partial keys, rewards by group."""
-    warm = rows[1:]
+    """Over the steps after the warm-up: throughput, medians of the `time/*` and partial keys, rewards by group."""
+    warm = rows[WORKLOAD["warmup_steps"]:]
     seconds = sum(r["wall"] for r in warm)
     tokens = sum(r["metrics"]["batch/rl_tokens"] for r in warm)
     times = sorted({k for r in warm for k in r["metrics"] if k.startswith("time/")})

@@ -346,15 +346,16 @@ def render_overlap(r: dict) -> list[str]:
 
 def render_partial(r: dict) -> list[str]:
     w, done = r["workload"], {name: s for name, s in r["sides"].items() if "error" not in s}
-    lines = [f"`{w['model']}` ({w['dtype']}) on in-process vLLM, `dataset` env: \"Count from 1 to n\", n in "
-             f"{w['long_n'][0]}..{w['long_n'][1]} for 1 prompt in {w['long_every']} (a few hundred tokens), "
-             f"{w['short_n'][0]}..{w['short_n'][1]} for the others; {w['prompts_per_step']} prompts x "
+    lines = [f"`{w['model']}` ({w['dtype']}) on in-process vLLM, `dataset` env: 1 prompt in {w['long_every']} asks "
+             f"for a story of about {w['story_words']} words (several hundred tokens), the others to count from 1 to "
+             f"n, n in {w['short_n'][0]}..{w['short_n'][1]} (a few dozen); {w['prompts_per_step']} prompts x "
              f"{w['group_size']} completions a step, at most {w['max_completion_tokens']} tokens at temperature "
              f"{w['temperature']}, grpo, lr {w['lr']}. Sides (`[async]`): "
              + "; ".join(f"{name}: " + ", ".join(f"`{k} = {v}`" for k, v in overrides.items())
                          for name, overrides in r["side_configs"].items())
              + f". Each side a real `train` flow run, {r['steps']} steps, interleaved step by step; figures over "
-             "steps 2..; medians of each step's metrics.json keys.", ""]
+             f"steps {w['warmup_steps'] + 1}..{r['steps']} (the first {w['warmup_steps']} load the models and fill "
+             "the partial sides' pipeline); medians of each step's metrics.json keys.", ""]
     lines += table(["side", "trained sampled tokens/s", "steps/s", "step s", "step CPU s", "trained tokens/step",
                     "sampling s", "train s", "wait for sampling s", "segments/step", "in flight", "carried tokens",
                     "token age mean", "token age max", "age-masked tokens", "completion tokens long / short",
@@ -378,7 +379,7 @@ def render_partial(r: dict) -> list[str]:
     if r["groups"]:
         g = r["groups"]
         lines += [f"Reward per trained group (mean over its completions), the groups every side trained, side by side "
-                  "(`*`: a long prompt; the partial side trains a long group when its rollouts end):", ""]
+                  "(`*`: a story; the partial sides train a story's group when its rollouts end):", ""]
         by_origin: dict[str, list[dict]] = {}
         for row in g["rows"]:
             by_origin.setdefault(row["group"].split("-")[0], []).append(row)

@@ -9,6 +9,7 @@ envs past the budget, and kill a real engine to check that nothing waits forever
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -93,9 +94,32 @@ def engine_pid(runtime) -> int:
     return process.pid
 
 
+class Watched(logging.Handler):
+    """A handler that remembers being closed."""
+
+    closed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
 def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_model_path):
-    """A second engine (key `victim`), SIGKILLed under load: sampling, scoring and reloads all fail fast."""
-    runtime = build_runtime(RuntimeConfig(key="victim", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
+    """A second engine (key `victim`), SIGKILLed under load: sampling, scoring and reloads all fail fast. Building it
+    leaves this process's logging alone: vLLM's `dictConfig` would close every handler here (Prefect's API log
+    handler among them, whose flush once deadlocked an engine's start inside a flow run)."""
+    watched = Watched()
+    logging.getLogger().addHandler(watched)
+    try:
+        runtime = build_runtime(RuntimeConfig(key="victim", name=tiny_model_path, backend="vllm", **VLLM_ENGINE))
+    finally:
+        logging.getLogger().removeHandler(watched)
+    assert not watched.closed
+    consoles = [h for h in logging.getLogger("vllm").handlers if h.get_name() == "trace_rl_vllm_console"]
+    assert len(consoles) == 1 and consoles[0].level == logging.WARNING
 
     async def sample_then_kill():
         prompt = list(range(5, 205))

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trace_rl.errors import EngineDeadError
-from trace_rl.inference.vllm_logging import quiet_config, quiet_imports, verbose
+from trace_rl.inference.vllm_logging import configure_this_process, quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
 from trace_rl.models.hub import resolve_model_path
@@ -134,6 +134,7 @@ class EngineLog:
     def __init__(self, key: str):
         fd, self.path = tempfile.mkstemp(prefix=f"trace-rl-vllm-{key}-", suffix=".log")
         os.close(fd)
+        self._handler: logging.Handler | None = None  # this process's records to the file
 
     @contextlib.contextmanager
     def capturing(self):
@@ -153,11 +154,15 @@ class EngineLog:
             json.dump(config, handle)
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
         try:
+            self._handler = configure_this_process(self.path)
             yield
         finally:
             del os.environ["VLLM_LOGGING_CONFIG_PATH"]
 
     def remove(self) -> None:
+        if self._handler is not None:
+            logging.getLogger("vllm").removeHandler(self._handler)
+            self._handler.close()
         for path in (self.path, self.path.removesuffix(".log") + ".json"):
             with contextlib.suppress(OSError):
                 os.remove(path)

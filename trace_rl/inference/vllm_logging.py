@@ -19,6 +19,12 @@ nothing is wrong with a run:
 `--verbose` (`TRACE_RL_VERBOSE=1`) shows everything, vLLM's INFO lines and progress bars included.
 A logging set-up of the user's own (`VLLM_LOGGING_CONFIG_PATH`, `VLLM_CONFIGURE_LOGGING=0`) is
 left alone.
+
+The engine's processes apply this config as vLLM does (`dictConfig`); the process that builds the
+engine does not (`configure_this_process`): `dictConfig` first flushes and closes every handler of the
+process, and Prefect's API log handler flushes through Prefect's own threads. When one of them was
+logging at that moment, it and the engine's start waited on each other for good (a step hung at its
+engine's start). This process gets the same console handler on its `vllm` logger instead.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 VERBOSE_ENV = "TRACE_RL_VERBOSE"
 FILTER = "trace_rl_known_harmless"
+HANDLER = "trace_rl_vllm_console"
 KNOWN_HARMLESS = re.compile(
     r"^(RotaryEmbedding|ParallelLMHead): Failed to load weights$"
     r"|^Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype torch\.(bfloat16|float16)$"
@@ -72,3 +80,32 @@ def quiet_imports() -> None:
     logger = logging.getLogger("vllm.triton_utils.importing")
     if not any(isinstance(f, KnownHarmless) for f in logger.filters):
         logger.addFilter(KnownHarmless())
+
+
+def configure_this_process(error_log: str) -> logging.Handler:
+    """Set up vLLM's logging in this process without `dictConfig` (the module docstring says why): its console
+    handler (once; WARNING and no known-harmless records unless verbose) and a handler writing its ERROR records
+    to `error_log` (returned, for the caller to remove), and tell vLLM its config is applied, so an engine built
+    now does not apply it here. Call it with `VLLM_LOGGING_CONFIG_PATH` set as the engine's processes get it."""
+    import vllm.logger
+    from vllm import envs
+    from vllm.config.logging import LoggingConfig
+
+    vllm_logger = logging.getLogger("vllm")
+    if not any(handler.get_name() == HANDLER for handler in vllm_logger.handlers):
+        console = logging.StreamHandler(sys.stderr if envs.VLLM_LOGGING_STREAM == "ext://sys.stderr" else sys.stdout)
+        console.set_name(HANDLER)
+        console.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                               "%m-%d %H:%M:%S"))
+        if not verbose():
+            console.setLevel(logging.WARNING)
+            console.addFilter(KnownHarmless())
+        vllm_logger.addHandler(console)
+        vllm_logger.setLevel(envs.VLLM_LOGGING_LEVEL)
+        vllm_logger.propagate = False
+    errors = logging.FileHandler(error_log)
+    errors.setLevel(logging.ERROR)
+    vllm_logger.addHandler(errors)
+    # the config an engine built now computes from the environment (`EngineArgs.create_logging_config`)
+    vllm.logger._last_configured_logging_config = LoggingConfig()
+    return errors
