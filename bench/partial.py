@@ -43,7 +43,9 @@ so every measured step of the k = 1 sides samples the next one beside its traini
 no checkpoints (the same on every side), the weights exported every step for the sampler. Figures are over the
 steps after `warmup_steps` (3): step 1 loads the models (and with k = 1 samples ahead alone), and the partial
 sides fill their pipeline until step 4, when the first stories (up to 4 segments, from step 1) can end; until
-then they train only counts, so a shorter window would credit them with shorter batches:
+then they train only counts, short batches no steady state has. In turn the window trains stories whose first
+segments the warm-up sampled (`partial/carried_tokens`), so a partial side may train more tokens a step in it
+than it samples; the report gives the tokens trained a step of every side:
 
 - trained sampled tokens per second: the steps' `batch/rl_tokens` (sampled tokens that carry the rl loss, age-
   masked ones excluded) over the steps' wall time; steps per second;
