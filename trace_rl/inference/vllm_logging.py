@@ -24,7 +24,8 @@ The engine's processes apply this config as vLLM does (`dictConfig`); the proces
 engine does not (`configure_this_process`): `dictConfig` first flushes and closes every handler of the
 process, and Prefect's API log handler flushes through Prefect's own threads. When one of them was
 logging at that moment, it and the engine's start waited on each other for good (a step hung at its
-engine's start). This process gets the same console handler on its `vllm` logger instead.
+engine's start). This process gets the same console handler on its `vllm` logger instead. A
+logging set-up of the user's own is applied by vLLM here too, `dictConfig` and all, as without trace-rl.
 """
 
 from __future__ import annotations
