@@ -11,8 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.artifacts import aligned, reward_mean
-from tasks.replay_step import replay_step_task
-from tasks.train_replayed import train_replayed_task
+from flows.tasks import replay_step_task, train_replayed_task
 from trace_rl.algorithms.base import AlgorithmConfig
 from trace_rl.offline import replay as lib
 from trace_rl.storage import RunStorage, step_name

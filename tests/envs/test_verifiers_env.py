@@ -162,7 +162,7 @@ def test_verifiers_own_harnesses_find_uv_beside_python_or_are_refused_with_the_f
     import os
     import sys
 
-    from trace_rl.envs.verifiers import runtime_lack
+    from trace_rl.envs.verifiers_env import runtime_lack
 
     bin_dir = tmp_path / "venv-bin"
     bin_dir.mkdir()

@@ -49,7 +49,7 @@ def test_a_prefect_secret_reference_reads_the_secret_block(prefect_api, s3_serve
 def test_the_saved_result_storage_block_holds_no_secret(prefect_api, s3_server, tmp_path):
     from prefect.filesystems import RemoteFileSystem
 
-    from tasks.caching import saved_result_storage
+    from flows.caching import saved_result_storage
 
     config = s3_config(s3_server, tmp_path.name, SECRET)
     block = saved_result_storage(RunStorage.of(config))

@@ -19,10 +19,10 @@ import trace_rl.envs.link_nav  # noqa: F401
 import trace_rl.envs.number_debate  # noqa: F401
 import trace_rl.envs.reverse_text  # noqa: F401
 import trace_rl.envs.secret_lookup  # noqa: F401
-import trace_rl.envs.verifiers  # noqa: F401
+import trace_rl.envs.verifiers_env  # noqa: F401
 from trace_rl.envs.base import EnvError, Environment, import_named, validate_args
 from trace_rl.envs.registry import ENVIRONMENTS
-from trace_rl.envs.verifiers import VerifiersEnv
+from trace_rl.envs.verifiers_env import VerifiersEnv
 from trace_rl.envs.verifiers_remote import VerifiersRemoteEnv
 
 

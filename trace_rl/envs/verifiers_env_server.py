@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from trace_rl.envs.lookup import add_import_paths
-from trace_rl.envs.verifiers import env_config
+from trace_rl.envs.verifiers_env import env_config
 
 
 def accept_token_mode() -> None:

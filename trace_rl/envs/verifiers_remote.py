@@ -9,7 +9,7 @@ loaded: the env server must reach the same name or path), the model name its req
 one is loaded) and the run's sampling (its seed the rollout's). The env server samples every turn itself, token in
 / token out, from that server's `/inference/v1/generate` (`vllm serve --enable-scale-out`); weights, adapters and
 the schedule reach the server as for any vLLM server of a run. The episode it streams back becomes trace-rl traces
-as in-process (`trace_rl.envs.verifiers.episode_traces`): a failed episode is a failed rollout.
+as in-process (`trace_rl.envs.verifiers_env.episode_traces`): a failed episode is a failed rollout.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from trace_rl.data.trace import Trace
 from trace_rl.envs.base import EnvError, Example, Sampler
-from trace_rl.envs.verifiers import VerifiersEnv, episode_traces, first_line, verifiers_module
+from trace_rl.envs.verifiers_env import VerifiersEnv, episode_traces, first_line, verifiers_module
 from trace_rl.errors import RetryableError
 from trace_rl.models.runtime import NEUTRAL_SAMPLING
 
