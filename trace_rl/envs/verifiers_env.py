@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import random
 import shutil
@@ -37,6 +38,8 @@ from trace_rl.envs.registry import register_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models.runtime import Generation
 
+logger = logging.getLogger(__name__)
+TYPE_BWRAP = "bwrap"  # a seat's sandbox runtime (trace_rl.sandbox), the default of trace-rl's chat harness
 # `examples(seed, count)` of a stream (refill rounds): `count` tasks from position seed mod this
 STREAM_DRAW_SPAN = 10_000
 # what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
@@ -78,6 +81,7 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     from trace_rl.verifiers.harness import HARNESS_ID
 
     data = dict(args)
+    sandboxes = {}
     taskset = data.get("taskset")
     taskset_id = taskset.get("id") if isinstance(taskset, dict) else None
     if not taskset_id:
@@ -97,10 +101,13 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
                 seat["harness"] = {"id": HARNESS_ID}
             harness = seat.get("harness", field.default.harness)
             harness_id = harness.get("id") if isinstance(harness, dict) else getattr(harness, "id", None)
-            if harness_id == HARNESS_ID and "runtime" not in seat:  # it runs nothing: no sandbox needed
-                seat["runtime"] = {"type": "subprocess"}
+            sandbox = seat_sandbox(name, seat.get("runtime"), own_harness=harness_id == HARNESS_ID)
+            if sandbox is not None:
+                sandboxes[name] = sandbox
+                seat["runtime"] = {"type": "subprocess"}  # verifiers checks the seat as the local runtime it is
             data[name] = seat
         config = vf.resolve_env_config(data)
+        sandboxed(config, sandboxes)
     except EnvError:
         raise
     except ValidationError as exc:
@@ -118,6 +125,52 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     return config
 
 
+def seat_sandbox(name: str, runtime: Any, own_harness: bool):
+    """The SandboxConfig of a seat's runtime: `{ type = "bwrap", ... }`, or none named on trace-rl's chat harness
+    (which would otherwise run the task's programs on the host); None for another runtime (a named one, or
+    verifiers' default for its own harnesses, which is no host). `{ type = "subprocess" }` runs on the host, with
+    one warning per process."""
+    from trace_rl.sandbox import SandboxConfig
+
+    kind = runtime.get("type") if isinstance(runtime, dict) else None
+    if kind == "subprocess":
+        warn_host(name)
+    if not (kind == TYPE_BWRAP or (runtime is None and own_harness)):
+        return None
+    try:
+        return SandboxConfig.model_validate({key: value for key, value in (runtime or {}).items() if key != "type"})
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise EnvError(f"env 'verifiers': args.{name}.runtime.{where}: {problem['msg']} (docs/sandbox.md#keys)") \
+            from None
+
+
+_warned_host = False
+
+
+def warn_host(seat: str) -> None:
+    global _warned_host
+    if not _warned_host:
+        _warned_host = True
+        logger.warning("env 'verifiers': args.%s.runtime = { type = \"subprocess\" } runs the programs of its "
+                       "rollouts on this host, as this process's user, unsandboxed (docs/sandbox.md)", seat)
+
+
+def sandboxed(config, sandboxes: dict) -> None:
+    """Give the seats in `sandboxes` their sandbox runtime (verifiers checked them as subprocess seats)."""
+    if not sandboxes:
+        return
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    from trace_rl.sandbox.runtime import BwrapConfig, install
+
+    install()
+    for name, seat in agent_config_fields(config).items():
+        if name in sandboxes:
+            seat.runtime = BwrapConfig.of(sandboxes[name])
+
+
 def find_uv() -> bool:
     """Whether verifiers' subprocesses find `uv`: on PATH, or installed beside this Python (`pip install uv`), whose
     folder then goes at the front of PATH."""
@@ -133,6 +186,10 @@ def find_uv() -> bool:
 def runtime_lack(kind: str, own_harness: bool) -> str | None:
     """What this machine lacks to run a harness in a runtime of type `kind`, or None. The subprocess runtime needs
     nothing for trace-rl's chat harness, and `uv` for verifiers' own (they install their program with it)."""
+    if kind == TYPE_BWRAP:
+        from trace_rl.sandbox import bwrap_lack
+
+        return bwrap_lack()
     executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
     if kind == "subprocess" and own_harness:
         return None
@@ -152,11 +209,14 @@ def check_runtimes(config, own_harness: str) -> None:
     vf = verifiers_module()
     from verifiers.v1.configs.agent import agent_config_fields
 
+    from trace_rl.sandbox.runtime import BwrapConfig
+
     for name, seat in agent_config_fields(config).items():
         harness = seat.harness.id if seat.harness is not None else vf.default_harness_id(config.taskset.id)
-        lacking = runtime_lack(seat.runtime.type, harness == own_harness)
+        kind = TYPE_BWRAP if isinstance(seat.runtime, BwrapConfig) else seat.runtime.type
+        lacking = runtime_lack(kind, harness == own_harness)
         if lacking:
-            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {seat.runtime.type!r} "
+            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {kind!r} "
                            f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
                            f"(args.{name}.runtime) or trace-rl's chat harness (args.{name}.harness = "
                            f"{{ id = \"{own_harness}\" }})")

@@ -1,0 +1,105 @@
+"""The bubblewrap command line of one sandboxed program: what it sees, who it runs as, its limits.
+
+The host is bound read-only where a program needs it (/usr and its links, /etc, this Python and its
+environment, `read_only`), nothing else: not /root, not /home, not the run's folders. The sandbox's
+working folder and /tmp are host folders of its own, the only writable places. /proc is the sandbox's
+own pid namespace (it sees its own processes only, so no other process's environment); the environment
+is cleared (PATH, HOME = the working folder, LANG, TMPDIR, and what the caller passes). Network, IPC
+and hostname are the sandbox's own unless `network = "host"`.
+
+As root, bwrap mounts as root and the program then runs as a uid of its own (`setpriv`), with no
+capability and no new privileges: a uid that owns nothing on the host, and whose RLIMIT_NPROC counts the
+sandbox's processes only (root is exempt from RLIMIT_NPROC, so the limit needs another uid). As another
+user, bwrap runs in a user namespace of that user's uid, and RLIMIT_NPROC counts all of that user's
+processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from trace_rl.sandbox.config import MIB, SandboxConfig
+
+# the uids sandboxes run as (root only): far above any real user's, one per live sandbox of a process
+UID_BASE = 2_100_000_000
+UID_SPAN = 1 << 20
+LOCALE = "C.UTF-8"
+
+
+def bwrap_lack() -> str | None:
+    """What this machine lacks to run a sandbox, or None."""
+    if sys.platform != "linux":
+        return "Linux (bubblewrap sandboxes need its namespaces)"
+    if shutil.which("bwrap") is None:
+        return "`bwrap` on PATH (apt-get install bubblewrap)"
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        return "`setpriv` on PATH (apt-get install util-linux)"
+    return None
+
+
+class UidPool:
+    """The uids of this process's live sandboxes: each sandbox its own, so that its process limit is its own."""
+
+    def __init__(self):
+        self.offset = (os.getpid() * 4096) % UID_SPAN
+        self.live: set[int] = set()
+
+    def take(self) -> int:
+        index = 0
+        while (uid := UID_BASE + (self.offset + index) % UID_SPAN) in self.live:
+            index += 1
+        self.live.add(uid)
+        return uid
+
+    def give_back(self, uid: int) -> None:
+        self.live.discard(uid)
+
+
+UIDS = UidPool()
+
+
+def host_roots() -> list[str]:
+    """The host paths every sandbox sees read-only: the system and this Python with its environment."""
+    roots = ["/usr", "/etc", "/opt", sys.base_prefix, sys.prefix, os.path.realpath(sys.prefix)]
+    return list(dict.fromkeys(path for path in roots if os.path.exists(path)))
+
+
+def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, workdir: Path, tmp: Path,
+               uid: int | None) -> list[str]:
+    """The command that runs `argv` sandboxed, in `workdir` (its HOME too) with `tmp` as /tmp; as `uid` (root
+    only: None runs it in a user namespace of the caller's uid)."""
+    command = ["bwrap", "--die-with-parent", "--new-session", "--clearenv",
+               "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    if uid is None:
+        command.append("--unshare-user")
+    if config.network == "none":
+        command.append("--unshare-net")
+    for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
+        path = Path("/") / name
+        if path.is_symlink():
+            command += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            command += ["--ro-bind", str(path), str(path)]
+    binds = [*host_roots(), *config.read_only]
+    # bwrap makes a bind's missing parents readable by root only; the sandbox's uid must pass through them
+    for parent in dict.fromkeys(str(up) for path in [*binds, str(workdir)] for up in reversed(Path(path).parents)
+                                if str(up) != "/"):
+        command += ["--perms", "0755", "--dir", parent]
+    for path in binds:
+        command += ["--ro-bind", path, path]
+    command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(tmp), "/tmp", "--bind", str(workdir), str(workdir),
+                "--chdir", str(workdir)]
+    path = os.pathsep.join([str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
+    for name, value in {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp", **env}.items():
+        command += ["--setenv", name, value]
+    command.append("--")
+    if uid is not None:
+        command += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                    "--bounding-set=-all", "--no-new-privs", "--"]
+    command += ["prlimit", f"--nproc={config.max_processes}", f"--cpu={config.cpu_time_s}",
+                f"--as={config.memory_mb * MIB}", f"--fsize={config.file_size_mb * MIB}",
+                f"--nofile={config.open_files}", "--core=0", "--", *argv]
+    return command

@@ -1,0 +1,126 @@
+"""verifiers' runtime in the sandbox: a seat's `runtime = { type = "bwrap", ... }` (the keys of `SandboxConfig`)
+runs every program of its rollouts (`runtime.run`, a harness's commands, a colocated tool server) in a
+`trace_rl.sandbox.Sandbox` of the rollout.
+
+verifiers 0.4.0 has a closed set of runtime types, and its records (the agent's config on each trace, which
+an env server sends back) must parse in any verifiers. So trace-rl hands verifiers a `BwrapConfig`: a
+`SubprocessConfig` (type `subprocess` on the wire: local, no image, as verifiers checks a subprocess seat)
+whose sandbox settings ride beside its fields, and `install()` makes verifiers build a `BwrapRuntime` for it.
+The runtime keeps the subprocess runtime's interface: a working folder on the host that verifiers reads and
+writes directly (`write`, `read`), and that the sandbox sees at the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path, PurePosixPath
+
+from pydantic import PrivateAttr
+from verifiers.v1.errors import SandboxError
+from verifiers.v1.runtimes import ProgramResult, RuntimeProcess
+from verifiers.v1.runtimes.base import Runtime
+from verifiers.v1.runtimes.subprocess import SubprocessConfig, SubprocessProcess, SubprocessRuntime
+
+from trace_rl.sandbox.config import SandboxConfig
+from trace_rl.sandbox.sandbox import Sandbox
+
+TYPE = "bwrap"
+
+
+class BwrapConfig(SubprocessConfig):
+    """verifiers' config of a sandboxed seat: `sandbox` holds its SandboxConfig (not serialized)."""
+
+    _sandbox: SandboxConfig = PrivateAttr(default_factory=SandboxConfig)
+
+    @classmethod
+    def of(cls, sandbox: SandboxConfig) -> BwrapConfig:
+        config = cls()
+        config._sandbox = sandbox
+        return config
+
+    @property
+    def sandbox(self) -> SandboxConfig:
+        return self._sandbox
+
+
+def text(data: bytes) -> str:
+    return data.decode(errors="replace")
+
+
+class BwrapRuntime(SubprocessRuntime):
+    """A rollout's sandbox as verifiers' runtime: its working folder is `workdir`, its /tmp the sandbox's."""
+
+    def __init__(self, config: BwrapConfig, name: str | None = None) -> None:
+        super().__init__(config, name)
+        self.sandbox = Sandbox(config.sandbox, self.name)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.sandbox.start)
+        self.workdir = self.sandbox.workdir
+        self.info.id = str(self.workdir)
+
+    async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
+        outcome = await self.sandbox.run(argv, self.process_env(env))
+        return ProgramResult(exit_code=outcome.exit_code, stdout=text(outcome.stdout), stderr=text(outcome.stderr))
+
+    async def open_process(self, argv: list[str], env: dict[str, str]) -> RuntimeProcess:
+        process = await self.sandbox.spawn(argv, self.process_env(env), stdin=asyncio.subprocess.PIPE,
+                                           stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        return SubprocessProcess(process)
+
+    async def run_background(self, argv: list[str], env: dict[str, str], log: str) -> None:
+        with self.host_path(log).open("wb") as file:
+            await self.sandbox.spawn(argv, self.process_env(env), stdin=asyncio.subprocess.DEVNULL, stdout=file,
+                                     stderr=asyncio.subprocess.STDOUT)
+
+    def host_path(self, path: str) -> Path:
+        """Where a path of the sandbox's working folder or /tmp lies on the host; a SandboxError for any other."""
+        inner = PurePosixPath(path)
+        if not inner.is_absolute():
+            return self.sandbox.workdir / inner
+        for place, host in ((PurePosixPath(self.sandbox.workdir), self.sandbox.workdir),
+                            (PurePosixPath("/tmp"), self.sandbox.tmp)):
+            if inner == place or place in inner.parents:
+                return host / inner.relative_to(place)
+        raise SandboxError(f"{path!r} is outside the sandbox's writable folders (its working folder and /tmp)")
+
+    async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
+        try:
+            target = self.host_path(path)
+        except SandboxError:  # a read-only host file the sandbox sees: read it as the sandbox does
+            return await Runtime._read(self, path, max_bytes if max_bytes is not None else 1 << 30)
+        try:
+            with target.open("rb") as file:
+                return await asyncio.to_thread(file.read, -1 if max_bytes is None else max_bytes)
+        except OSError as exc:
+            raise SandboxError(f"read {path!r}: {exc}") from exc
+
+    async def write(self, path: str, data: bytes) -> None:
+        target = self.host_path(path)
+        await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(target.write_bytes, data)
+        self.sandbox.own(target)
+
+    async def teardown(self) -> None:
+        await self.sandbox.close()
+
+    def cleanup(self) -> None:
+        self.sandbox.remove()
+
+
+def install() -> None:
+    """Make verifiers build a BwrapRuntime for a BwrapConfig (idempotent)."""
+    import verifiers.v1.runtimes as runtimes
+
+    original = runtimes._runtime_cls
+    if getattr(original, "trace_rl_bwrap", False):
+        return
+
+    def runtime_cls(config):
+        return BwrapRuntime if isinstance(config, BwrapConfig) else original(config)
+
+    runtime_cls.trace_rl_bwrap = True
+    runtimes._runtime_cls = runtime_cls
+
+

@@ -1,0 +1,182 @@
+"""`Sandbox`: one rollout's sandbox, its folders and its uid; `run` runs one program in it, to its end or to
+a limit.
+
+A program runs in a bwrap of its own (`trace_rl.sandbox.bwrap`), in the sandbox's pid namespace of that run:
+when the program exits, everything it started dies with it (a daemon cannot outlive it), and when its
+runner kills it (a limit), bwrap and every process in it die (`--die-with-parent`). The folders live in
+`<root>/<pid>-<name>/` (`work/`, `tmp/`); `close()` removes them, and the next sandbox to start removes
+those of processes that no longer run (a run killed by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trace_rl.sandbox.bwrap import UIDS, bwrap_argv
+from trace_rl.sandbox.config import MIB, SandboxConfig
+
+KILLED = 137  # the exit code of a program killed at a limit, as a shell reports a SIGKILL
+DISK_POLL_S = 0.2
+CHUNK = 64 * 1024
+
+
+def default_root() -> Path:
+    """Where sandboxes keep their folders: not under /tmp, which a sandbox's own /tmp hides."""
+    base = Path("/var/tmp")
+    return (base if base.is_dir() else Path(tempfile.gettempdir())) / "trace-rl-sandboxes"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a program ended: its exit code (KILLED when its runner killed it), its output (at most the
+    sandbox's `output_bytes` together), and which limit killed it (None: it ended by itself)."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    limit: str | None = None
+
+
+def folder_bytes(path: Path, stop_above: int) -> int:
+    """The bytes of the files under `path` (their allocated blocks), counted until past `stop_above`."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+        if total > stop_above:
+            break
+    return total
+
+
+def sweep(root: Path) -> None:
+    """Remove the sandbox folders of processes that no longer run."""
+    if not root.is_dir():
+        return
+    for folder in root.iterdir():
+        pid = folder.name.partition("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class Sandbox:
+    """`Sandbox(config, name)`; `start()` makes its folders, `await run(argv, env)` -> Outcome, `close()`
+    removes them. `workdir` (the program's working folder and HOME) and `tmp` (its /tmp) are host folders."""
+
+    def __init__(self, config: SandboxConfig, name: str, root: Path | None = None):
+        self.config = config
+        self.folder = (root or default_root()) / f"{os.getpid()}-{name}"
+        self.workdir = self.folder / "work"
+        self.tmp = self.folder / "tmp"
+        self.uid: int | None = None
+        self.processes: list[asyncio.subprocess.Process] = []
+
+    def start(self) -> None:
+        root = self.folder.parent
+        root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        sweep(root)
+        self.folder.mkdir(mode=0o711)
+        self.workdir.mkdir(mode=0o700)
+        self.tmp.mkdir()
+        self.tmp.chmod(0o1777)
+        if os.geteuid() == 0:
+            self.uid = UIDS.take()
+            os.chown(self.workdir, self.uid, self.uid)
+
+    def own(self, path: Path) -> None:
+        """Give a file the host wrote into the working folder to the sandbox's uid (it may rewrite it)."""
+        if self.uid is not None:
+            with contextlib.suppress(OSError):
+                os.chown(path, self.uid, self.uid, follow_symlinks=False)
+
+    def argv(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid)
+
+    async def spawn(self, argv: list[str], env: dict[str, str], **streams) -> asyncio.subprocess.Process:
+        """Start `argv` in the sandbox (killed at `close()` if still running)."""
+        process = await asyncio.create_subprocess_exec(*self.argv(argv, env), env={"LANG": "C.UTF-8"}, **streams)
+        self.processes.append(process)
+        return process
+
+    async def run(self, argv: list[str], env: dict[str, str], stdin: bytes | None = None) -> Outcome:
+        """Run `argv` to its end or to a limit (wall time, output bytes, disk); a cancelled run kills it."""
+        config = self.config
+        process = await self.spawn(argv, env, stdin=asyncio.subprocess.PIPE if stdin is not None else
+                                   asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                   stderr=asyncio.subprocess.PIPE)
+        output = {"stdout": bytearray(), "stderr": bytearray()}
+        over: list[str] = []
+
+        def stop(limit: str) -> None:
+            over.append(limit)
+            self.kill(process)
+
+        async def read(name: str, stream: asyncio.StreamReader) -> None:
+            while chunk := await stream.read(CHUNK):  # to EOF: asyncio's wait() waits for the pipes to close
+                room = config.output_bytes - len(output["stdout"]) - len(output["stderr"])
+                output[name] += chunk[:max(room, 0)]
+                if len(chunk) > room and not over:
+                    stop(f"output over {config.output_bytes} bytes")
+
+        async def watch_disk() -> None:
+            limit = config.disk_mb * MIB
+            while True:
+                await asyncio.sleep(DISK_POLL_S)
+                if await asyncio.to_thread(folder_bytes, self.folder, limit) > limit:
+                    stop(f"disk over {config.disk_mb} MiB")
+                    return
+
+        async def ended() -> None:
+            if stdin is not None:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    process.stdin.write(stdin)
+                    await process.stdin.drain()
+                process.stdin.close()
+            await asyncio.gather(read("stdout", process.stdout), read("stderr", process.stderr))
+            await process.wait()
+
+        watcher = asyncio.ensure_future(watch_disk())
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(ending := asyncio.ensure_future(ended())), config.wall_time_s)
+            except TimeoutError:
+                stop(f"wall time over {config.wall_time_s:g} s")
+                await ending
+        finally:
+            watcher.cancel()
+            self.kill(process)
+            await asyncio.gather(watcher, return_exceptions=True)
+            self.processes.remove(process)
+        if over:
+            note = f"\nsandbox: program killed: {over[0]}\n".encode()
+            return Outcome(KILLED, bytes(output["stdout"]), bytes(output["stderr"]) + note, over[0])
+        return Outcome(process.returncode, bytes(output["stdout"]), bytes(output["stderr"]))
+
+    @staticmethod
+    def kill(process: asyncio.subprocess.Process) -> None:
+        """SIGKILL bwrap, and with it every process of the program (`--die-with-parent`, its pid namespace)."""
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+    async def close(self) -> None:
+        for process in self.processes:
+            self.kill(process)
+        await asyncio.gather(*(process.wait() for process in self.processes), return_exceptions=True)
+        self.processes = []
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the folders and give the uid back (synchronous: also at interpreter exit)."""
+        for process in self.processes:
+            self.kill(process)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.uid is not None:
+            UIDS.give_back(self.uid)
+            self.uid = None
