@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import signal
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from trace_rl.sandbox.config import MIB, SandboxConfig
 
 KILLED = 137  # the exit code of a program killed at a limit, as a shell reports a SIGKILL
 DISK_POLL_S = 0.2
+GONE_POLL_S = 0.01
+GONE_WAIT_S = 10.0
 CHUNK = 64 * 1024
 
 
@@ -53,6 +57,22 @@ def folder_bytes(path: Path, stop_above: int) -> int:
         if total > stop_above:
             break
     return total
+
+
+def read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    return data
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs. A sandbox's init that exited is a zombie until the host's init reaps it; the
+    kernel killed and reaped the rest of its pid namespace before it became one."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def sweep(root: Path) -> None:
@@ -99,8 +119,22 @@ class Sandbox:
         return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid)
 
     async def spawn(self, argv: list[str], env: dict[str, str], **streams) -> asyncio.subprocess.Process:
-        """Start `argv` in the sandbox (killed at `close()` if still running)."""
-        process = await asyncio.create_subprocess_exec(*self.argv(argv, env), env={"LANG": "C.UTF-8"}, **streams)
+        """Start `argv` in the sandbox (killed at `close()` if still running). bwrap reports the host pid of the
+        sandbox's init (`process.init_pid`): once it is gone, so is every process of the program."""
+        status, report = os.pipe()
+        try:
+            command = self.argv(argv, env)
+            command[1:1] = ["--info-fd", str(report)]
+            process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
+                                                           **streams)
+            os.close(report)
+            report = -1
+            info = await asyncio.to_thread(read_all, status)  # bwrap closes it once the sandbox has started
+        finally:
+            os.close(status)
+            if report >= 0:
+                os.close(report)
+        process.init_pid = json.loads(info)["child-pid"] if info.startswith(b"{") else None
         self.processes.append(process)
         return process
 
@@ -152,6 +186,7 @@ class Sandbox:
             watcher.cancel()
             self.kill(process)
             await asyncio.gather(watcher, return_exceptions=True)
+            await self.gone(process)
             self.processes.remove(process)
         if over:
             note = f"\nsandbox: program killed: {over[0]}\n".encode()
@@ -160,15 +195,27 @@ class Sandbox:
 
     @staticmethod
     def kill(process: asyncio.subprocess.Process) -> None:
-        """SIGKILL bwrap, and with it every process of the program (`--die-with-parent`, its pid namespace)."""
+        """SIGKILL bwrap and the sandbox's init, and with it every process of the program (its pid namespace)."""
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+        if process.init_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(process.init_pid, signal.SIGKILL)
+
+    @staticmethod
+    async def gone(process: asyncio.subprocess.Process) -> None:
+        """Wait until the program's processes are gone: its init exits once the kernel has killed the rest."""
+        await process.wait()
+        for _ in range(int(GONE_WAIT_S / GONE_POLL_S)):  # bounded: the pid may be reused once it is gone
+            if process.init_pid is None or not running(process.init_pid):
+                return
+            await asyncio.sleep(GONE_POLL_S)
 
     async def close(self) -> None:
         for process in self.processes:
             self.kill(process)
-        await asyncio.gather(*(process.wait() for process in self.processes), return_exceptions=True)
+        await asyncio.gather(*(self.gone(process) for process in self.processes), return_exceptions=True)
         self.processes = []
         self.remove()
 

@@ -1,12 +1,14 @@
 """A verifiers v1 taskset whose reward runs a program in the rollout's runtime, as `code_golf` runs the model's
-answer: task i runs PROGRAMS[i] (`python3 solution.py`) and is rewarded 1.0 when it exits 0; a program that fails
-or is killed at a limit fails the scoring, so its episode fails."""
+answer: task i writes PROGRAMS[i] to solution.py, runs `python3 solution.py` and is rewarded 1.0 when it exits 0;
+a program that fails, or is killed at a limit, fails the scoring and so the episode."""
 
 import verifiers.v1 as vf
 
 PROGRAMS = [
-    "import os; print(os.getuid(), os.getcwd())",  # a program that works
-    "while True: pass",  # an infinite loop: killed at the wall time
+    # works in a sandbox only: it sees none of the trainer's environment, and works in a sandbox's folder
+    "import os, sys\nsys.exit(0 if 'TRACE_RL_FAKE_SECRET' not in os.environ and 'trace-rl-sandboxes' in os.getcwd()"
+    " else 1)",
+    "import sys\nfor _ in range(300):\n    sys.stdout.write('x' * (1 << 20))",  # 300 MB on stdout
 ]
 
 
@@ -17,7 +19,6 @@ class ProgramTask(vf.Task):
         result = await runtime.run(["python3", "solution.py"], {})
         if result.exit_code != 0:
             raise RuntimeError(f"the program failed ({result.exit_code}): {result.stderr.strip()[-200:]}")
-        trace.record_metric("output", float(len(result.stdout)))
         return 1.0
 
 

@@ -1,0 +1,72 @@
+"""The sandbox as verifiers' runtime of a seat: the default of trace-rl's chat harness, a task's `runtime.run`
+runs in it, a program killed at a limit fails its rollout, and the host runs a program only when a config says so."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from trace_rl.sandbox import bwrap_lack
+
+pytestmark = pytest.mark.skipif(bwrap_lack() is not None, reason=f"the sandbox needs {bwrap_lack()}")
+
+TASKSETS = [str(Path(__file__).parent / "tasksets")]
+
+
+def program_env(**seat):
+    from trace_rl.envs.lookup import load_env
+
+    args = {"taskset": {"id": "program_tasks"}}
+    if seat:
+        args["agent"] = seat
+    return load_env("verifiers", args, TASKSETS)
+
+
+def test_a_tasks_program_runs_sandboxed_by_default_and_one_killed_at_a_limit_fails_its_rollout(
+        tiny_model_path, monkeypatch):
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Sampler
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models.runtime import RuntimeConfig
+    from trace_rl.pipeline.rollouts import run_rollout
+    from trace_rl.sandbox.runtime import BwrapConfig
+    from trace_rl.sandbox.sandbox import default_root
+
+    monkeypatch.setenv("TRACE_RL_FAKE_SECRET", "s3cr3t")
+    env = program_env()
+    assert isinstance(env.config.agent.runtime, BwrapConfig)
+    sampler = Sampler(build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf")),
+                      SamplingConfig(max_completion_tokens=4), seed=1)
+    examples = sorted(env.examples(0, 2), key=lambda example: example.data["task"])
+
+    async def play():
+        return await asyncio.gather(*(run_rollout(env, example, sampler, max_retries=0, backoff_s=0)
+                                      for example in examples))
+
+    (works, _), (floods, _) = asyncio.run(play())
+    assert works[0].error is None and works[0].reward == 1.0
+    assert floods[0].error.startswith("EnvError: verifiers episode of task task1 failed: TaskError")
+    assert "sandbox: program killed: output over 8388608 bytes" in floods[0].error
+    assert not any(path.name.startswith(f"{os.getpid()}-") for path in default_root().iterdir())
+
+
+def test_the_host_runs_programs_only_when_a_config_says_so_with_one_warning(caplog, monkeypatch):
+    import trace_rl.envs.verifiers_env as verifiers_env
+    from trace_rl.envs.base import EnvError
+    from trace_rl.sandbox.runtime import BwrapConfig
+
+    monkeypatch.setattr(verifiers_env, "_warned_host", False)
+    with caplog.at_level(logging.WARNING, logger="trace_rl.envs.verifiers_env"):
+        host = [program_env(runtime={"type": "subprocess"}) for _ in range(2)]
+    assert not isinstance(host[0].config.agent.runtime, BwrapConfig)
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert "args.agent.runtime = { type = \"subprocess\" } runs the programs of its rollouts on this host" in warning
+    limited = program_env(runtime={"type": "bwrap", "max_processes": 50, "network": "host"})
+    assert limited.config.agent.runtime.sandbox.max_processes == 50
+    with pytest.raises(EnvError, match=r"^env 'verifiers': args.agent.runtime.max_procs: Extra inputs are not "
+                                       r"permitted \(docs/sandbox.md#keys\)$"):
+        program_env(runtime={"type": "bwrap", "max_procs": 50})
