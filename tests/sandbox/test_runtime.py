@@ -70,3 +70,18 @@ def test_the_host_runs_programs_only_when_a_config_says_so_with_one_warning(capl
     with pytest.raises(EnvError, match=r"^env 'verifiers': args.agent.runtime.max_procs: Extra inputs are not "
                                        r"permitted \(docs/sandbox.md#keys\)$"):
         program_env(runtime={"type": "bwrap", "max_procs": 50})
+
+
+def test_every_other_subprocess_runtime_of_verifiers_runs_sandboxed_once_a_verifiers_env_loaded():
+    """Tool servers verifiers starts on a subprocess runtime of their own, or a seat config verifiers re-read from
+    its fields, run in the sandbox (with the host's network, as a tool server is reached from this process)."""
+    from verifiers.v1.runtimes import SubprocessConfig, SubprocessRuntime, make_runtime
+
+    from trace_rl.sandbox.runtime import UNNAMED_SANDBOX, BwrapRuntime, HostConfig
+
+    program_env()
+    plain = make_runtime(SubprocessConfig())
+    assert isinstance(plain, BwrapRuntime) and plain.sandbox.config == UNNAMED_SANDBOX
+    assert UNNAMED_SANDBOX.network == "host"
+    host = make_runtime(HostConfig())
+    assert type(host) is SubprocessRuntime

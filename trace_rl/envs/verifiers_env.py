@@ -105,6 +105,8 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
             if sandbox is not None:
                 sandboxes[name] = sandbox
                 seat["runtime"] = {"type": "subprocess"}  # verifiers checks the seat as the local runtime it is
+            elif isinstance(seat.get("runtime"), dict) and seat["runtime"].get("type") == "subprocess":
+                sandboxes[name] = None  # on the host, as it says
             data[name] = seat
         config = vf.resolve_env_config(data)
         sandboxed(config, sandboxes)
@@ -158,17 +160,17 @@ def warn_host(seat: str) -> None:
 
 
 def sandboxed(config, sandboxes: dict) -> None:
-    """Give the seats in `sandboxes` their sandbox runtime (verifiers checked them as subprocess seats)."""
-    if not sandboxes:
-        return
+    """Give the seats in `sandboxes` their runtime: their SandboxConfig's sandbox, or (None) the host; verifiers
+    checked them as subprocess seats. From here on, verifiers runs any other subprocess runtime sandboxed too
+    (`trace_rl.sandbox.runtime.install`)."""
     from verifiers.v1.configs.agent import agent_config_fields
 
-    from trace_rl.sandbox.runtime import BwrapConfig, install
+    from trace_rl.sandbox.runtime import BwrapConfig, HostConfig, install
 
     install()
     for name, seat in agent_config_fields(config).items():
         if name in sandboxes:
-            seat.runtime = BwrapConfig.of(sandboxes[name])
+            seat.runtime = HostConfig() if sandboxes[name] is None else BwrapConfig.of(sandboxes[name])
 
 
 def find_uv() -> bool:

@@ -61,9 +61,14 @@ class UidPool:
 UIDS = UidPool()
 
 
+def python_path() -> list[str]:
+    """This process's PYTHONPATH: where an env's own modules are (`[[env]] import_paths`), for the tool servers."""
+    return [os.path.abspath(path) for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+
+
 def host_roots() -> list[str]:
-    """The host paths every sandbox sees read-only: the system and this Python with its environment."""
-    roots = ["/usr", "/etc", "/opt", sys.base_prefix, sys.prefix, os.path.realpath(sys.prefix)]
+    """The host paths every sandbox sees read-only: the system, this Python with its environment, PYTHONPATH."""
+    roots = ["/usr", "/etc", "/opt", sys.base_prefix, sys.prefix, os.path.realpath(sys.prefix), *python_path()]
     return list(dict.fromkeys(path for path in roots if os.path.exists(path)))
 
 
@@ -93,7 +98,10 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
     command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(tmp), "/tmp", "--bind", str(workdir), str(workdir),
                 "--chdir", str(workdir)]
     path = os.pathsep.join([str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
-    for name, value in {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp", **env}.items():
+    base = {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp"}
+    if python_path():
+        base["PYTHONPATH"] = os.pathsep.join(python_path())
+    for name, value in {**base, **env}.items():
         command += ["--setenv", name, value]
     command.append("--")
     if uid is not None:

@@ -6,6 +6,13 @@ verifiers 0.4.0 has a closed set of runtime types, and its records (the agent's 
 an env server sends back) must parse in any verifiers. So trace-rl hands verifiers a `BwrapConfig`: a
 `SubprocessConfig` (type `subprocess` on the wire: local, no image, as verifiers checks a subprocess seat)
 whose sandbox settings ride beside its fields, and `install()` makes verifiers build a `BwrapRuntime` for it.
+
+Fail-safe: once installed, verifiers builds a BwrapRuntime for every subprocess runtime but a `HostConfig` (a
+seat that said `type = "subprocess"`): a tool server verifiers starts on its own subprocess runtime, or a seat
+config verifiers re-read from its fields (which drops the sandbox settings), runs sandboxed with
+`UNNAMED_SANDBOX`, never on the host. That sandbox has the host's network, as a tool server must be reached by
+a harness in this process.
+
 The runtime keeps the subprocess runtime's interface: a working folder on the host that verifiers reads and
 writes directly (`write`, `read`), and that the sandbox sees at the same path.
 """
@@ -44,6 +51,13 @@ class BwrapConfig(SubprocessConfig):
         return self._sandbox
 
 
+class HostConfig(SubprocessConfig):
+    """verifiers' config of a seat that runs on the host (`runtime = { type = "subprocess" }`, said explicitly)."""
+
+
+UNNAMED_SANDBOX = SandboxConfig(network="host")
+
+
 def text(data: bytes) -> str:
     return data.decode(errors="replace")
 
@@ -51,9 +65,9 @@ def text(data: bytes) -> str:
 class BwrapRuntime(SubprocessRuntime):
     """A rollout's sandbox as verifiers' runtime: its working folder is `workdir`, its /tmp the sandbox's."""
 
-    def __init__(self, config: BwrapConfig, name: str | None = None) -> None:
+    def __init__(self, config: SubprocessConfig, name: str | None = None) -> None:
         super().__init__(config, name)
-        self.sandbox = Sandbox(config.sandbox, self.name)
+        self.sandbox = Sandbox(config.sandbox if isinstance(config, BwrapConfig) else UNNAMED_SANDBOX, self.name)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.sandbox.start)
@@ -110,7 +124,7 @@ class BwrapRuntime(SubprocessRuntime):
 
 
 def install() -> None:
-    """Make verifiers build a BwrapRuntime for a BwrapConfig (idempotent)."""
+    """Make verifiers build a BwrapRuntime for every subprocess runtime but a HostConfig (idempotent)."""
     import verifiers.v1.runtimes as runtimes
 
     original = runtimes._runtime_cls
@@ -118,7 +132,9 @@ def install() -> None:
         return
 
     def runtime_cls(config):
-        return BwrapRuntime if isinstance(config, BwrapConfig) else original(config)
+        if isinstance(config, SubprocessConfig) and not isinstance(config, HostConfig):
+            return BwrapRuntime
+        return original(config)
 
     runtime_cls.trace_rl_bwrap = True
     runtimes._runtime_cls = runtime_cls
