@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from trace_rl.sandbox import KILLED, SandboxConfig, bwrap_lack
+from trace_rl.sandbox.bwrap import PASSED
 
 pytestmark = pytest.mark.skipif(bwrap_lack() is not None, reason=f"the sandbox needs {bwrap_lack()}")
 
@@ -120,7 +121,7 @@ print(os.listdir("/proc/1"), os.path.exists("/root/.trace-rl"))
 """)
     assert result.exit_code == 0, result.stderr
     assert "s3cr3t-value" not in result.stdout and "TRACE_RL_FAKE_S3_SECRET" not in result.stdout
-    assert set(ast.literal_eval(result.stdout.splitlines()[0])) <= {"HOME", "LANG", "PATH", "PWD", "PYTHONPATH", "TMPDIR"}
+    assert set(ast.literal_eval(result.stdout.splitlines()[0])) <= {"HOME", "LANG", "PATH", "PWD", "PYTHONPATH", "TMPDIR", *PASSED}
     assert result.stdout.rstrip().endswith("False")
 
 

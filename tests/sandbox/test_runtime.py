@@ -85,3 +85,30 @@ def test_every_other_subprocess_runtime_of_verifiers_runs_sandboxed_once_a_verif
     assert UNNAMED_SANDBOX.network == "host"
     host = make_runtime(HostConfig())
     assert type(host) is SubprocessRuntime
+
+
+def test_verifiers_bash_harness_plays_an_episode_in_the_sandbox_on_the_hosts_network(tiny_model_path):
+    """verifiers' `bash` harness installs its program with uv in the sandbox (from PyPI: this needs the network)
+    and runs the model's commands there; with network = "none" it is refused, as it could not reach the sampler."""
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import EnvError, Sampler
+    from trace_rl.envs.lookup import load_env
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models.runtime import RuntimeConfig
+    from trace_rl.pipeline.rollouts import run_rollout
+    from trace_rl.sandbox.runtime import BwrapConfig
+
+    def bash_env(network: str):
+        seat = {"harness": {"id": "bash"}, "max_turns": 2, "runtime": {"type": "bwrap", "network": network}}
+        return load_env("verifiers", {"taskset": {"id": "program_tasks"}, "agent": seat}, TASKSETS)
+
+    with pytest.raises(EnvError, match=r"args.agent.runtime.network: a verifiers harness in the sandbox reaches"):
+        bash_env("none")
+    env = bash_env("host")
+    assert isinstance(env.config.agent.runtime, BwrapConfig)
+    sampler = Sampler(build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf",
+                                                  max_model_len=2048)),
+                      SamplingConfig(max_completion_tokens=8), seed=1)
+    example = next(e for e in env.examples(0, 2) if e.data["task"] == 0)
+    (trace,), _ = asyncio.run(run_rollout(env, example, sampler, max_retries=0, backoff_s=0))
+    assert trace.error is None and trace.reward == 1.0  # its task's program ran sandboxed too

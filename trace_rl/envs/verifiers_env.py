@@ -140,12 +140,17 @@ def seat_sandbox(name: str, runtime: Any, own_harness: bool):
     if not (kind == TYPE_BWRAP or (runtime is None and own_harness)):
         return None
     try:
-        return SandboxConfig.model_validate({key: value for key, value in (runtime or {}).items() if key != "type"})
+        sandbox = SandboxConfig.model_validate({key: value for key, value in (runtime or {}).items() if key != "type"})
     except ValidationError as exc:
         problem = exc.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
         raise EnvError(f"env 'verifiers': args.{name}.runtime.{where}: {problem['msg']} (docs/sandbox.md#keys)") \
             from None
+    if not own_harness and sandbox.network == "none":
+        raise EnvError(f"env 'verifiers': args.{name}.runtime.network: a verifiers harness in the sandbox reaches the "
+                       "sampler on this host's loopback, which network = \"none\" cuts; set network = \"host\" "
+                       "(docs/sandbox.md#verifiers-own-harnesses)")
+    return sandbox
 
 
 _warned_host = False
@@ -191,9 +196,12 @@ def runtime_lack(kind: str, own_harness: bool) -> str | None:
     if kind == TYPE_BWRAP:
         from trace_rl.sandbox import bwrap_lack
 
-        return bwrap_lack()
-    executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
-    if kind == "subprocess" and own_harness:
+        lacking = bwrap_lack()
+        if lacking or own_harness:
+            return lacking
+    local = kind in ("subprocess", TYPE_BWRAP)
+    executable, socket, key = ("uv", None, None) if local else RUNTIME_NEEDS.get(kind, (None,) * 3)
+    if local and own_harness:
         return None
     if executable == "uv" and not find_uv():
         return "`uv` (`pip install uv` into this Python's environment, as `make setup` does, or put uv on PATH)"

@@ -27,6 +27,8 @@ from trace_rl.sandbox.config import MIB, SandboxConfig
 UID_BASE = 2_100_000_000
 UID_SPAN = 1 << 20
 LOCALE = "C.UTF-8"
+# the host's variables a sandbox keeps: where the CA certificates are (a path, no secret), for TLS on `network = "host"`
+PASSED = ("SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
 def bwrap_lack() -> str | None:
@@ -98,7 +100,8 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
     command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(tmp), "/tmp", "--bind", str(workdir), str(workdir),
                 "--chdir", str(workdir)]
     path = os.pathsep.join([str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
-    base = {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp"}
+    base = {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp",
+            **{name: os.environ[name] for name in PASSED if name in os.environ}}
     if python_path():
         base["PYTHONPATH"] = os.pathsep.join(python_path())
     for name, value in {**base, **env}.items():

@@ -65,8 +65,11 @@ def text(data: bytes) -> str:
 class BwrapRuntime(SubprocessRuntime):
     """A rollout's sandbox as verifiers' runtime: its working folder is `workdir`, its /tmp the sandbox's."""
 
+    scripts_dir = Runtime.scripts_dir  # in the sandbox's own /tmp, not the host's cache
+
     def __init__(self, config: SubprocessConfig, name: str | None = None) -> None:
         super().__init__(config, name)
+        self._uv_interpreters, self._uv_script_locks = {}, {}  # each sandbox prepares its scripts in its own /tmp
         self.sandbox = Sandbox(config.sandbox if isinstance(config, BwrapConfig) else UNNAMED_SANDBOX, self.name)
 
     async def start(self) -> None:
@@ -112,9 +115,12 @@ class BwrapRuntime(SubprocessRuntime):
 
     async def write(self, path: str, data: bytes) -> None:
         target = self.host_path(path)
+        base = self.sandbox.tmp if self.sandbox.tmp in target.parents else self.sandbox.workdir
         await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(target.write_bytes, data)
-        self.sandbox.own(target)
+        for made in [target, *target.relative_to(base).parents]:  # the file and the folders made for it
+            if made != Path("."):
+                self.sandbox.own(base / made if made is not target else target)
 
     async def teardown(self) -> None:
         await self.sandbox.close()
