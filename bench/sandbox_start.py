@@ -2,7 +2,8 @@
 (`trace_rl.sandbox.runtime.BwrapRuntime`) against the host's subprocess runtime, interleaved round by round so
 that both sides see the same load. `python -m bench.sandbox_start [--rounds N]` prints the median and mean of each
 side's wall time per rollout for three programs (`true`, `python -c pass`, `python solution.py` with a one-line
-answer, as code_golf runs it, with this environment's Python) and the machine's load average. docs/sandbox.md#cost has the results."""
+answer, as code_golf runs it, with this environment's Python) and the machine's load average.
+docs/sandbox.md#cost has the results."""
 
 from __future__ import annotations
 

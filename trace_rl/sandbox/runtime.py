@@ -20,7 +20,6 @@ writes directly (`write`, `read`), and that the sandbox sees at the same path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path, PurePosixPath
 
 from pydantic import PrivateAttr
