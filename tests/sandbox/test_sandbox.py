@@ -45,3 +45,52 @@ def test_the_folders_of_a_killed_process_go_when_the_next_sandbox_starts(tmp_pat
     sandbox.start()
     assert not left.parent.exists() and sandbox.folder.exists()
     asyncio.run(sandbox.close())
+
+
+def test_a_sigkilled_run_leaves_no_process_of_its_sandbox(tmp_path):
+    """The trainer dies by SIGKILL with a program running: bwrap dies with its parent, and its pid namespace
+    with it; the folders go at the next start."""
+    import os
+    import signal
+    import time
+
+    program = f"""
+import asyncio, sys
+from pathlib import Path
+from trace_rl.sandbox import Sandbox, SandboxConfig
+async def main():
+    sandbox = Sandbox(SandboxConfig(), "killed", root=Path({str(tmp_path)!r}))
+    sandbox.start()
+    print(sandbox.uid, flush=True)
+    await sandbox.run(["sh", "-c", "sleep 600 & sleep 600"], {{}})
+asyncio.run(main())
+"""
+    trainer = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    uid = int(trainer.stdout.readline())
+    time.sleep(1.0)
+    assert uid in uids_running()
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    deadline = time.monotonic() + 5
+    while uid in uids_running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uid not in uids_running()
+    Sandbox(SandboxConfig(), "next", root=tmp_path).start()
+    assert [path.name for path in tmp_path.iterdir()] == [f"{os.getpid()}-next"]
+
+
+def uids_running() -> set[int]:
+    """The uids of this host's live processes (zombies left out)."""
+    from pathlib import Path
+
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if not fields.get("State", "").strip().startswith("Z"):
+            found.add(int(fields["Uid"].split()[0]))
+    return found

@@ -71,7 +71,13 @@ def python_path() -> list[str]:
 def host_roots() -> list[str]:
     """The host paths every sandbox sees read-only: the system, this Python with its environment, PYTHONPATH."""
     roots = ["/usr", "/etc", "/opt", sys.base_prefix, sys.prefix, os.path.realpath(sys.prefix), *python_path()]
-    return list(dict.fromkeys(path for path in roots if os.path.exists(path)))
+    return outermost(path for path in roots if os.path.exists(path))
+
+
+def outermost(paths) -> list[str]:
+    """`paths` without those inside another of them (bound with it already), in their first order."""
+    paths = list(dict.fromkeys(os.path.abspath(path) for path in paths))
+    return [path for path in paths if not any(Path(other) in Path(path).parents for other in paths)]
 
 
 def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, workdir: Path, tmp: Path,
@@ -90,7 +96,7 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
             command += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
             command += ["--ro-bind", str(path), str(path)]
-    binds = [*host_roots(), *config.read_only]
+    binds = outermost([*host_roots(), *config.read_only])
     # bwrap makes a bind's missing parents readable by root only; the sandbox's uid must pass through them
     for parent in dict.fromkeys(str(up) for path in [*binds, str(workdir)] for up in reversed(Path(path).parents)
                                 if str(up) != "/"):
