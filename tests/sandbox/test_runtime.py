@@ -87,9 +87,10 @@ def test_every_other_subprocess_runtime_of_verifiers_runs_sandboxed_once_a_verif
     assert type(host) is SubprocessRuntime
 
 
-def test_verifiers_bash_harness_plays_an_episode_in_the_sandbox_on_the_hosts_network(tiny_model_path):
-    """verifiers' `bash` harness installs its program with uv in the sandbox (from PyPI: this needs the network)
-    and runs the model's commands there; with network = "none" it is refused, as it could not reach the sampler."""
+def test_verifiers_bash_harness_plays_an_episode_in_the_sandbox_reaching_only_its_routes(tiny_model_path):
+    """verifiers' `bash` harness installs its program with uv in the sandbox (from PyPI, on the host's network
+    during setup) and runs the model's commands there, reaching the sampler through its route only; with
+    network = "none" it is refused, as it could not reach the sampler."""
     from trace_rl.config import SamplingConfig
     from trace_rl.envs.base import EnvError, Sampler
     from trace_rl.envs.lookup import load_env
@@ -104,7 +105,7 @@ def test_verifiers_bash_harness_plays_an_episode_in_the_sandbox_on_the_hosts_net
 
     with pytest.raises(EnvError, match=r"args.agent.runtime.network: a verifiers harness in the sandbox reaches"):
         bash_env("none")
-    env = bash_env("host")
+    env = bash_env("routes")
     assert isinstance(env.config.agent.runtime, BwrapConfig)
     sampler = Sampler(build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf",
                                                   max_model_len=2048)),

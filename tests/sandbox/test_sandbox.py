@@ -94,3 +94,45 @@ def uids_running() -> set[int]:
         if not fields.get("State", "").strip().startswith("Z"):
             found.add(int(fields["Uid"].split()[0]))
     return found
+
+
+def test_on_routes_a_program_reaches_the_allowed_loopback_ports_only_after_setup(tmp_path):
+    import socket
+    import threading
+
+    def server() -> int:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer():
+            while True:
+                connection, _ = listener.accept()
+                connection.sendall(b"hello")
+                connection.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        return listener.getsockname()[1]
+
+    sampler, prefect = server(), server()  # the interception endpoint a harness may reach, and one it may not
+    program = f"""
+import socket
+for port in ({sampler}, {prefect}):
+    try:
+        print(socket.create_connection(("127.0.0.1", port), timeout=2).recv(5).decode())
+    except OSError as exc:
+        print(type(exc).__name__)
+"""
+    sandbox = Sandbox(SandboxConfig(network="routes"), "routes", root=tmp_path)
+    sandbox.start()
+
+    async def play():
+        setup = await sandbox.run(["python3", "-c", program], {})
+        await sandbox.allow([sampler])
+        execution = await sandbox.run(["python3", "-c", program], {})
+        await sandbox.close()
+        return setup, execution
+
+    setup, execution = asyncio.run(play())
+    assert setup.stdout.decode().split() == ["hello", "hello"]  # setup: the host's network
+    assert execution.stdout.decode().split() == ["hello", "ConnectionRefusedError"]

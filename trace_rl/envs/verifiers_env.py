@@ -148,7 +148,7 @@ def seat_sandbox(name: str, runtime: Any, own_harness: bool):
             from None
     if not own_harness and sandbox.network == "none":
         raise EnvError(f"env 'verifiers': args.{name}.runtime.network: a verifiers harness in the sandbox reaches the "
-                       "sampler on this host's loopback, which network = \"none\" cuts; set network = \"host\" "
+                       "sampler on this host's loopback, which network = \"none\" cuts; set network = \"routes\" "
                        "(docs/sandbox.md#verifiers-own-harnesses)")
     return sandbox
 

@@ -29,6 +29,7 @@ UID_SPAN = 1 << 20
 LOCALE = "C.UTF-8"
 # the host's variables a sandbox keeps: where the CA certificates are (a path, no secret), for TLS on `network = "host"`
 PASSED = ("SSL_CERT_FILE", "SSL_CERT_DIR")
+RELAY_DIR = "/run/trace-rl"  # in the sandbox: the relay of its allowed endpoints and the host's sockets
 
 
 def bwrap_lack() -> str | None:
@@ -81,14 +82,16 @@ def outermost(paths) -> list[str]:
 
 
 def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, workdir: Path, tmp: Path,
-               uid: int | None) -> list[str]:
+               uid: int | None, routes: list[int] | None = None, sockets: Path | None = None) -> list[str]:
     """The command that runs `argv` sandboxed, in `workdir` (its HOME too) with `tmp` as /tmp; as `uid` (root
-    only: None runs it in a user namespace of the caller's uid)."""
+    only: None runs it in a user namespace of the caller's uid). With `network = "routes"`: the host's network
+    while `routes` is None (setup), else the host loopback ports `routes` only, relayed through `sockets`."""
     command = ["bwrap", "--die-with-parent", "--new-session", "--clearenv",
                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if uid is None:
         command.append("--unshare-user")
-    if config.network == "none":
+    relayed = config.network == "routes" and routes is not None
+    if config.network == "none" or relayed:
         command.append("--unshare-net")
     for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
         path = Path("/") / name
@@ -105,6 +108,12 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
         command += ["--ro-bind", path, path]
     command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(tmp), "/tmp", "--bind", str(workdir), str(workdir),
                 "--chdir", str(workdir)]
+    if relayed and routes:
+        command += ["--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", RELAY_DIR,
+                    "--ro-bind", str(Path(__file__).with_name("forward.py")), f"{RELAY_DIR}/forward.py",
+                    "--ro-bind", str(sockets), f"{RELAY_DIR}/sockets"]
+        argv = [sys.executable, f"{RELAY_DIR}/forward.py", f"{RELAY_DIR}/sockets", ",".join(map(str, routes)), "--",
+                *argv]
     path = os.pathsep.join([str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     base = {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp",
             **{name: os.environ[name] for name in PASSED if name in os.environ}}

@@ -15,9 +15,11 @@ class SandboxConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    network: Literal["none", "host"] = "none"
-    """`none`: a network namespace of its own (loopback only, nothing outside). `host`: the host's network, which
-    includes servers on the host's 127.0.0.1 (the Prefect API): only for a harness that must reach the sampler."""
+    network: Literal["none", "routes", "host"] = "none"
+    """`none`: a network namespace of its own (loopback only, nothing outside). `routes`: the host's network while
+    verifiers sets the rollout up (a harness installs its program), then only the endpoints verifiers routes to
+    the harness (the sampler's interception endpoint, MCP servers), relayed onto the sandbox's own loopback.
+    `host`: the host's network, which includes servers on the host's 127.0.0.1 (the Prefect API)."""
     max_processes: int = Field(1000, gt=0)
     """RLIMIT_NPROC of the sandbox's own uid (its processes and threads together)."""
     wall_time_s: float = Field(300.0, gt=0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 from pydantic import PrivateAttr
 from verifiers.v1.errors import SandboxError
@@ -90,6 +91,12 @@ class BwrapRuntime(SubprocessRuntime):
             await self.sandbox.spawn(argv, self.process_env(env), stdin=asyncio.subprocess.DEVNULL, stdout=file,
                                      stderr=asyncio.subprocess.STDOUT)
 
+    async def prepare_execution(self, routes: list[str] | None) -> None:
+        """verifiers' last setup step: with `network = "routes"`, cut the network down to the host loopback
+        endpoints of `routes` (None: the host's network again, for another setup)."""
+        if self.sandbox.config.network == "routes":
+            await self.sandbox.allow(None if routes is None else loopback_ports(routes))
+
     def host_path(self, path: str) -> Path:
         """Where a path of the sandbox's working folder or /tmp lies on the host; a SandboxError for any other."""
         inner = PurePosixPath(path)
@@ -126,6 +133,16 @@ class BwrapRuntime(SubprocessRuntime):
 
     def cleanup(self) -> None:
         self.sandbox.remove()
+
+
+def loopback_ports(urls: list[str]) -> list[int]:
+    """The ports of the URLs on this host's loopback (the others are not reachable from a sandbox)."""
+    ports = []
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.hostname in ("127.0.0.1", "localhost") and parts.port:
+            ports.append(parts.port)
+    return ports
 
 
 def install() -> None:

@@ -75,6 +75,27 @@ def running(pid: int) -> bool:
         return False
 
 
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
+    """Relay one connection of a sandbox to the host's 127.0.0.1:`port`."""
+    try:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        writer.close()
+        return
+    await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
 def sweep(root: Path) -> None:
     """Remove the sandbox folders of processes that no longer run."""
     if not root.is_dir():
@@ -94,8 +115,11 @@ class Sandbox:
         self.folder = (root or default_root()) / f"{os.getpid()}-{name}"
         self.workdir = self.folder / "work"
         self.tmp = self.folder / "tmp"
+        self.sockets = self.folder / "sockets"
         self.uid: int | None = None
         self.processes: list[asyncio.subprocess.Process] = []
+        self.routes: list[int] | None = None
+        self.relays: dict[int, asyncio.AbstractServer] = {}
 
     def start(self) -> None:
         root = self.folder.parent
@@ -103,6 +127,7 @@ class Sandbox:
         sweep(root)
         self.folder.mkdir(mode=0o711)
         self.workdir.mkdir(mode=0o700)
+        self.sockets.mkdir(mode=0o755)
         self.tmp.mkdir()
         self.tmp.chmod(0o1777)
         if os.geteuid() == 0:
@@ -116,7 +141,18 @@ class Sandbox:
                 os.chown(path, self.uid, self.uid, follow_symlinks=False)
 
     def argv(self, argv: list[str], env: dict[str, str]) -> list[str]:
-        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid)
+        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, self.routes, self.sockets)
+
+    async def allow(self, ports: list[int] | None) -> None:
+        """With `network = "routes"`: from now on, programs reach the host's loopback `ports` only (None: the
+        host's network again, for setup). Each port is relayed from a unix socket in `sockets`."""
+        self.routes = None if ports is None else sorted(set(ports))
+        for port in self.routes or []:
+            if port not in self.relays:
+                path = self.sockets / str(port)
+                self.relays[port] = await asyncio.start_unix_server(
+                    lambda reader, writer, port=port: relay(reader, writer, port), path=str(path))
+                path.chmod(0o666)
 
     async def spawn(self, argv: list[str], env: dict[str, str], **streams) -> asyncio.subprocess.Process:
         """Start `argv` in the sandbox (killed at `close()` if still running). bwrap reports the host pid of the
@@ -213,6 +249,9 @@ class Sandbox:
             await asyncio.sleep(GONE_POLL_S)
 
     async def close(self) -> None:
+        for server in self.relays.values():
+            server.close()
+        self.relays = {}
         for process in self.processes:
             self.kill(process)
         await asyncio.gather(*(self.gone(process) for process in self.processes), return_exceptions=True)
