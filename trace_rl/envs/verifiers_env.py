@@ -4,8 +4,9 @@ the run's own sampler (docs/envs.md#verifiers).
 `[env.args]` is a verifiers `EnvConfig` as verifiers' own TOML takes it (`taskset = { id = "my_tasks" }`, an
 `id` pairing an env, the agents' seats), validated by verifiers (`vf.resolve_env_config`). An agent seat that
 names no harness, of a taskset that bundles none, plays on trace-rl's in-process chat harness
-(`trace_rl.verifiers.harness`) in verifiers' subprocess runtime (nothing is started in it); a seat that names one
-runs as verifiers runs it, in its runtime. Every turn the policy takes is sampled by the rollout's `Sampler`
+(`trace_rl.verifiers.harness`) in trace-rl's sandbox (`trace_rl.sandbox`: the programs its task runs run there,
+off the host); a seat that names one runs as verifiers runs it, in its runtime. A seat's `runtime = { type =
+"bwrap", ... }` is the sandbox with its keys, `{ type = "subprocess" }` the host (one warning per process). Every turn the policy takes is sampled by the rollout's `Sampler`
 (`trace_rl.verifiers.client`), so the run's [sampling], weights, LoRA adapter and broadcast apply as for any env.
 
 `[[env]] select` picks the tasks with verifiers' own `SelectConfig` (`Taskset.select`, as `vf-eval --select.*`).
