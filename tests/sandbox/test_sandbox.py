@@ -136,3 +136,24 @@ for port in ({sampler}, {prefect}):
     setup, execution = asyncio.run(play())
     assert setup.stdout.decode().split() == ["hello", "hello"]  # setup: the host's network
     assert execution.stdout.decode().split() == ["hello", "ConnectionRefusedError"]
+
+
+def test_a_live_process_is_killed_through_verifiers_interface_without_touching_this_process(tmp_path):
+    """verifiers kills a live process's group (`SubprocessProcess.kill`): a sandbox's is its own."""
+    from trace_rl.sandbox.runtime import BwrapConfig, BwrapRuntime
+
+    runtime = BwrapRuntime(BwrapConfig.of(SandboxConfig()), name="live")
+    runtime.sandbox = Sandbox(SandboxConfig(), "live", root=tmp_path)
+
+    async def play():
+        await runtime.start()
+        process = await runtime.open_process(["cat"], {})
+        await process.write(b"echo\n")
+        first = await anext(process.stdout)
+        await process.kill()
+        code = await process.wait()
+        await runtime.stop()
+        return first, code
+
+    first, code = asyncio.run(play())
+    assert first == b"echo\n" and code == -9

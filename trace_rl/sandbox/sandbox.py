@@ -161,8 +161,9 @@ class Sandbox:
         try:
             command = self.argv(argv, env)
             command[1:1] = ["--info-fd", str(report)]
+            # a session of its own: verifiers signals a live process's group (`SubprocessProcess.kill`)
             process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
-                                                           **streams)
+                                                           start_new_session=True, **streams)
             os.close(report)
             report = -1
             info = await asyncio.to_thread(read_all, status)  # bwrap closes it once the sandbox has started
