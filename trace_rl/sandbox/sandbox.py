@@ -4,8 +4,9 @@ a limit.
 A program runs in a bwrap of its own (`trace_rl.sandbox.bwrap`), in the sandbox's pid namespace of that run:
 when the program exits, everything it started dies with it (a daemon cannot outlive it), and when its
 runner kills it (a limit), bwrap and every process in it die (`--die-with-parent`). The folders live in
-`<root>/<pid>-<name>/` (`work/`, `tmp/`); `close()` removes them, and the next sandbox to start removes
-those of processes that no longer run (a run killed by SIGKILL).
+`<root>/<pid>-<name>/` (`work/`, `tmp/`, and `sockets/`, the host's ends of the relays of a `routes`
+network); `close()` removes them, and the next sandbox to start removes those of processes that no longer run
+(a run killed by SIGKILL).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
