@@ -82,10 +82,12 @@ def outermost(paths) -> list[str]:
 
 
 def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, workdir: Path, tmp: Path,
-               uid: int | None, routes: list[int] | None = None, sockets: Path | None = None) -> list[str]:
+               uid: int | None, routes: list[int] | None = None, sockets: Path | None = None,
+               server: bool = False) -> list[str]:
     """The command that runs `argv` sandboxed, in `workdir` (its HOME too) with `tmp` as /tmp; as `uid` (root
     only: None runs it in a user namespace of the caller's uid). With `network = "routes"`: the host's network
-    while `routes` is None (setup), else the host loopback ports `routes` only, relayed through `sockets`."""
+    while `routes` is None (setup), else the host loopback ports `routes` only, relayed through `sockets`. A
+    `server` (a tool server living as long as its rollout, or its run) has no CPU time limit."""
     command = ["bwrap", "--die-with-parent", "--new-session", "--clearenv",
                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if uid is None:
@@ -125,7 +127,7 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
     if uid is not None:
         command += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                     "--bounding-set=-all", "--no-new-privs", "--"]
-    command += ["prlimit", f"--nproc={config.max_processes}", f"--cpu={config.cpu_time_s}",
+    command += ["prlimit", f"--nproc={config.max_processes}", f"--cpu={'unlimited' if server else config.cpu_time_s}",
                 f"--as={config.memory_mb * MIB}", f"--fsize={config.file_size_mb * MIB}",
                 f"--nofile={config.open_files}", "--core=0", "--", *argv]
     return command

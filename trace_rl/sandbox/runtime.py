@@ -88,8 +88,8 @@ class BwrapRuntime(SubprocessRuntime):
 
     async def run_background(self, argv: list[str], env: dict[str, str], log: str) -> None:
         with self.host_path(log).open("wb") as file:
-            await self.sandbox.spawn(argv, self.process_env(env), stdin=asyncio.subprocess.DEVNULL, stdout=file,
-                                     stderr=asyncio.subprocess.STDOUT)
+            await self.sandbox.spawn(argv, self.process_env(env), server=True, stdin=asyncio.subprocess.DEVNULL,
+                                     stdout=file, stderr=asyncio.subprocess.STDOUT)
 
     async def prepare_execution(self, routes: list[str] | None) -> None:
         """verifiers' last setup step: with `network = "routes"`, cut the network down to the host loopback

@@ -141,8 +141,9 @@ class Sandbox:
             with contextlib.suppress(OSError):
                 os.chown(path, self.uid, self.uid, follow_symlinks=False)
 
-    def argv(self, argv: list[str], env: dict[str, str]) -> list[str]:
-        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, self.routes, self.sockets)
+    def argv(self, argv: list[str], env: dict[str, str], server: bool = False) -> list[str]:
+        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, self.routes, self.sockets,
+                          server)
 
     async def allow(self, ports: list[int] | None) -> None:
         """With `network = "routes"`: from now on, programs reach the host's loopback `ports` only (None: the
@@ -155,12 +156,14 @@ class Sandbox:
                     lambda reader, writer, port=port: relay(reader, writer, port), path=str(path))
                 path.chmod(0o666)
 
-    async def spawn(self, argv: list[str], env: dict[str, str], **streams) -> asyncio.subprocess.Process:
-        """Start `argv` in the sandbox (killed at `close()` if still running). bwrap reports the host pid of the
-        sandbox's init (`process.init_pid`): once it is gone, so is every process of the program."""
+    async def spawn(self, argv: list[str], env: dict[str, str], server: bool = False,
+                    **streams) -> asyncio.subprocess.Process:
+        """Start `argv` in the sandbox (killed at `close()` if still running; a `server` has no CPU time limit).
+        bwrap reports the host pid of the sandbox's init (`process.init_pid`): once it is gone, so is every
+        process of the program."""
         status, report = os.pipe()
         try:
-            command = self.argv(argv, env)
+            command = self.argv(argv, env, server)
             command[1:1] = ["--info-fd", str(report)]
             # a session of its own: verifiers signals a live process's group (`SubprocessProcess.kill`)
             process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
