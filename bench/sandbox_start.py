@@ -1,7 +1,8 @@
 """What a sandbox costs a rollout: verifiers' runtime lifecycle (start, one program, stop) in the sandbox runtime
-(`trace_rl.sandbox.runtime.BwrapRuntime`) against the host's subprocess runtime, interleaved round by round so
-that both sides see the same load. `python -m bench.sandbox_start [--rounds N]` prints the median and mean of each
-side's wall time per rollout for three programs (`true`, `python -c pass`, `python solution.py` with a one-line
+(`trace_rl.sandbox.runtime.BwrapRuntime`, with `network = "none"` and with `"routes"`, one route relayed) against
+the host's subprocess runtime, interleaved round by round so that every side sees the same load.
+`python -m bench.sandbox_start [--rounds N]` prints the median and mean of each side's wall time per rollout for
+three programs (`true`, `python -c pass`, `python solution.py` with a one-line
 answer, as code_golf runs it, with this environment's Python) and the machine's load average.
 docs/sandbox.md#cost has the results."""
 
@@ -22,6 +23,7 @@ PROGRAMS = {
     "python solution.py": [sys.executable, "solution.py"],
 }
 SOLUTION = b"print(sum(range(10)))\n"
+ROUTE = "http://127.0.0.1:54321/v1"  # a route relayed into the sandbox (nothing need listen there)
 
 
 async def rollout(make, argv: list[str]) -> float:
@@ -30,6 +32,8 @@ async def rollout(make, argv: list[str]) -> float:
     runtime = make()
     await runtime.start()
     try:
+        if getattr(runtime.config, "sandbox", None) is not None and runtime.config.sandbox.network == "routes":
+            await runtime.prepare_execution([ROUTE])  # as verifiers cuts the network before the agent's turns
         await runtime.write("solution.py", SOLUTION)
         result = await runtime.run(argv, {})
         assert result.exit_code == 0, result.stderr
@@ -45,7 +49,8 @@ async def measure(rounds: int) -> dict[str, dict[str, list[float]]]:
     from trace_rl.sandbox.runtime import BwrapConfig, BwrapRuntime
 
     sides = {"host (subprocess)": lambda: SubprocessRuntime(SubprocessConfig()),
-             "sandbox (bwrap)": lambda: BwrapRuntime(BwrapConfig.of(SandboxConfig()))}
+             "sandbox (bwrap)": lambda: BwrapRuntime(BwrapConfig.of(SandboxConfig())),
+             "sandbox, routes": lambda: BwrapRuntime(BwrapConfig.of(SandboxConfig(network="routes")))}
     times = {name: {side: [] for side in sides} for name in PROGRAMS}
     for name, argv in PROGRAMS.items():
         for side, make in sides.items():  # warm-up: page cache, imports

@@ -114,8 +114,8 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
         command += ["--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", RELAY_DIR,
                     "--ro-bind", str(Path(__file__).with_name("forward.py")), f"{RELAY_DIR}/forward.py",
                     "--ro-bind", str(sockets), f"{RELAY_DIR}/sockets"]
-        argv = [sys.executable, f"{RELAY_DIR}/forward.py", f"{RELAY_DIR}/sockets", ",".join(map(str, routes)), "--",
-                *argv]
+        argv = [sys.executable, "-I", "-S", f"{RELAY_DIR}/forward.py", f"{RELAY_DIR}/sockets",
+                ",".join(map(str, routes)), "--", *argv]
     path = os.pathsep.join([str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     base = {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp",
             **{name: os.environ[name] for name in PASSED if name in os.environ}}

@@ -1,59 +1,67 @@
-"""`python -m trace_rl.sandbox.forward SOCKETS PORT[,PORT...] -- PROGRAM...`: inside a sandbox without the
-host's network, serve each host loopback PORT on the sandbox's own 127.0.0.1:PORT, relayed through the unix
-socket SOCKETS/PORT that the host side (`Sandbox.forward`) holds, then run PROGRAM (exec: it stays the process
-the sandbox waits for). The relay runs in a child process, ready before PROGRAM starts, and dies with the
-sandbox's pid namespace when PROGRAM ends. Standard library only: it starts for every program.
+"""`python -I -S forward.py SOCKETS PORT[,PORT...] -- PROGRAM...`: inside a sandbox without the host's network,
+serve each host loopback PORT on the sandbox's own 127.0.0.1:PORT, relayed through the unix socket SOCKETS/PORT
+that the host side (`Sandbox.allow`) holds, then run PROGRAM (exec: it stays the process the sandbox waits
+for). The relay runs in a child process, listening before PROGRAM starts, and dies with the sandbox's pid
+namespace when PROGRAM ends. Standard library, sockets and threads only: it starts before every program.
 """
 
-from __future__ import annotations
-
-import asyncio
 import os
+import socket
 import sys
+import threading
 
 CHUNK = 64 * 1024
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def pipe(source: socket.socket, target: socket.socket) -> None:
     try:
-        while data := await reader.read(CHUNK):
-            writer.write(data)
-            await writer.drain()
+        while data := source.recv(CHUNK):
+            target.sendall(data)
     except OSError:
         pass
     finally:
-        writer.close()
+        for end in (source, target):
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
-async def relay(sockets: str, ports: list[int], ready: int) -> None:
-    async def serve(port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def serve(listener: socket.socket, path: str) -> None:
+    while True:
+        client, _ = listener.accept()
+        upstream = socket.socket(socket.AF_UNIX)
         try:
-            upstream_reader, upstream_writer = await asyncio.open_unix_connection(os.path.join(sockets, str(port)))
+            upstream.connect(path)
         except OSError:
-            writer.close()
-            return
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
-
-    servers = [await asyncio.start_server(lambda r, w, port=port: serve(port, r, w), "127.0.0.1", port)
-               for port in ports]
-    os.write(ready, b"ready")
-    os.close(ready)
-    await asyncio.gather(*(server.serve_forever() for server in servers))
+            client.close()
+            continue
+        for source, target in ((client, upstream), (upstream, client)):
+            threading.Thread(target=pipe, args=(source, target), daemon=True).start()
 
 
 def main() -> None:
     sockets, ports, separator, *program = sys.argv[1:]
     if separator != "--" or not program:
-        sys.exit("usage: python -m trace_rl.sandbox.forward SOCKETS PORT[,PORT...] -- PROGRAM...")
-    read, write = os.pipe()
+        sys.exit("usage: forward.py SOCKETS PORT[,PORT...] -- PROGRAM...")
+    listeners = []
+    try:
+        for port in ports.split(","):
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", int(port)))
+            listener.listen(64)
+            listeners.append((listener, os.path.join(sockets, port)))
+    except OSError as exc:
+        sys.exit(f"sandbox: the relay of the allowed endpoints did not start: {exc}")
     if os.fork() == 0:
-        os.close(read)
-        asyncio.run(relay(sockets, [int(port) for port in ports.split(",")], write))
+        threads = [threading.Thread(target=serve, args=pair, daemon=True) for pair in listeners]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         os._exit(0)
-    os.close(write)
-    if os.read(read, 5) != b"ready":
-        sys.exit("sandbox: the relay of the allowed endpoints did not start")
-    os.close(read)
+    for listener, _ in listeners:
+        listener.close()
     os.execvp(program[0], program)
 
 
