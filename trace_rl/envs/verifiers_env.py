@@ -45,6 +45,7 @@ RUNTIME_NEEDS = {
     "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
     "e2b": (None, None, "E2B_API_KEY"), "modal": (None, None, "MODAL_TOKEN_ID"),
 }
+CONTAINER_ENGINES = ("podman", "docker")  # their default image is trace-rl's, built here (trace_rl.containers)
 
 
 class VerifiersOptions(BaseModel):
@@ -75,6 +76,7 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     seats that name no harness; an EnvError with verifiers' message when it refuses. `runtimes`: also check that
     this machine has every seat's runtime (it plays the episodes)."""
     vf = verifiers_module()
+    from trace_rl.containers.image import default_tag
     from trace_rl.verifiers.harness import HARNESS_ID
 
     data = dict(args)
@@ -99,6 +101,9 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
             harness_id = harness.get("id") if isinstance(harness, dict) else getattr(harness, "id", None)
             if harness_id == HARNESS_ID and "runtime" not in seat:  # it runs nothing: no sandbox needed
                 seat["runtime"] = {"type": "subprocess"}
+            runtime = seat.get("runtime")
+            if isinstance(runtime, dict) and runtime.get("type") in CONTAINER_ENGINES and "image" not in runtime:
+                seat["runtime"] = {**runtime, "image": default_tag()}  # built here (`trace-rl sandbox build`)
             data[name] = seat
         config = vf.resolve_env_config(data)
     except EnvError:
@@ -136,6 +141,10 @@ def runtime_lack(kind: str, own_harness: bool) -> str | None:
     executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
     if kind == "subprocess" and own_harness:
         return None
+    if kind == "podman":
+        from trace_rl.containers.engine import engine_problem
+
+        return engine_problem(kind)
     if executable == "uv" and not find_uv():
         return "`uv` (`pip install uv` into this Python's environment, as `make setup` does, or put uv on PATH)"
     if executable and shutil.which(executable) is None:
@@ -160,6 +169,13 @@ def check_runtimes(config, own_harness: str) -> None:
                            f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
                            f"(args.{name}.runtime) or trace-rl's chat harness (args.{name}.harness = "
                            f"{{ id = \"{own_harness}\" }})")
+        if seat.runtime.type in CONTAINER_ENGINES:
+            from trace_rl.containers.engine import image_problem
+            from trace_rl.containers.image import default_tag
+
+            missing = image_problem(seat.runtime.type, seat.runtime.image, seat.runtime.image == default_tag())
+            if missing:
+                raise EnvError(f"env 'verifiers': args.{name}.runtime.image: {missing}")
 
 
 class RolloutModel:
@@ -173,6 +189,8 @@ class RolloutModel:
         self.sampler = sampler
         self.tokenizer = sampler.runtime.tokenizer
         self.end_of_turn = (sampler.runtime.config.stop_tokens or [None])[0]
+        self.model = sampler.runtime.config.name
+        self.max_model_len = sampler.runtime.config.max_model_len
         self.error: BaseException | None = None
         self.stop: BaseException | None = None
         self.episode: asyncio.Future | None = None
