@@ -2,12 +2,12 @@
 reachable), and a sandbox needs no network at run time.
 
 `mmdebstrap` builds a minimal Debian root from Debian's packages (Python, iptables and iproute2 for verifiers'
-network cut); the PyPI wheels of what verifiers' harnesses install with `uv sync --script` (the `bash` harness's
-chat program), and `uv` itself, are baked in, and the image's environment points uv at them alone
-(`UV_DEFAULT_INDEX`, a PEP 503 index of the baked wheels), so a harness installs offline. The engine imports the root as
-`localhost/trace-rl-sandbox:<recipe hash>`; the same image is tagged as verifiers' network-cut helper image, which
-verifiers would otherwise build from a registry's alpine. The root's tar is kept under the cache folder by the
-same hash, so a wiped engine store re-imports it without rebuilding.
+network cut). The PyPI wheels of what verifiers' harnesses install with `uv sync --script` (the `bash` harness's
+chat program) and `uv` itself are baked in, with a PEP 503 index of them that the image's `UV_DEFAULT_INDEX` names,
+so a harness installs offline; the bash harness's program is installed already. The engine imports the root as
+`localhost/trace-rl-sandbox:<recipe hash>`, also tagged as verifiers' network-cut helper image (which verifiers
+would otherwise build from a registry's alpine). The root's tar is kept as `$TRACE_RL_CACHE/images/<hash>.tar`, so
+a wiped engine store re-imports it without rebuilding.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def default_tag() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trace-rl" / "images"
+    return Path(os.environ.get("TRACE_RL_CACHE", Path.home() / ".cache" / "trace-rl")) / "images"
 
 
 def image_exists(tag: str, engine: str = "podman") -> bool:

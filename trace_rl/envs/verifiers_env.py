@@ -76,7 +76,6 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     seats that name no harness; an EnvError with verifiers' message when it refuses. `runtimes`: also check that
     this machine has every seat's runtime (it plays the episodes)."""
     vf = verifiers_module()
-    from trace_rl.containers.image import default_tag
     from trace_rl.verifiers.harness import HARNESS_ID
 
     data = dict(args)
@@ -102,8 +101,8 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
             if harness_id == HARNESS_ID and "runtime" not in seat:  # it runs nothing: no sandbox needed
                 seat["runtime"] = {"type": "subprocess"}
             runtime = seat.get("runtime")
-            if isinstance(runtime, dict) and runtime.get("type") in CONTAINER_ENGINES and "image" not in runtime:
-                seat["runtime"] = {**runtime, "image": default_tag()}  # built here (`trace-rl sandbox build`)
+            if isinstance(runtime, dict) and runtime.get("type") in CONTAINER_ENGINES:
+                seat["runtime"] = container_runtime(runtime)
             data[name] = seat
         config = vf.resolve_env_config(data)
     except EnvError:
@@ -121,6 +120,18 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     if runtimes:
         check_runtimes(config, HARNESS_ID)
     return config
+
+
+def container_runtime(runtime: dict[str, Any]) -> dict[str, Any]:
+    """A podman/docker seat's runtime with trace-rl's defaults: the image built here (`trace-rl sandbox build`, no
+    registry), and no network but the rollout's own routes (the model endpoint, its tool servers) unless the seat
+    sets verifiers' `allow` or `block` (docs/containers.md#network)."""
+    from trace_rl.containers.image import default_tag
+
+    defaults = {"image": default_tag()}
+    if "allow" not in runtime and "block" not in runtime:
+        defaults["allow"] = []
+    return {**defaults, **runtime}
 
 
 def find_uv() -> bool:
