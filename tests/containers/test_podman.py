@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
 import subprocess
 import uuid
@@ -24,19 +23,6 @@ from trace_rl.envs.base import EnvError
 ROOT = Path(__file__).resolve().parents[2]
 CODE_TASKS = str(ROOT / "configs" / "verifiers")
 TEST_TASKSETS = str(ROOT / "tests" / "envs" / "verifiers_tasksets")
-
-
-@pytest.fixture(scope="session")
-def sandbox_image():
-    """The default image (`trace-rl sandbox build`), built here if the engine's store lacks it."""
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed here (apt-get install -y podman runc mmdebstrap, as .ci/run does)")
-    from trace_rl.containers.engine import engine_problem
-    from trace_rl.containers.image import build
-
-    problem = engine_problem("podman")
-    assert problem is None, problem
-    return build()
 
 
 def containers() -> list[str]:
@@ -154,3 +140,20 @@ def test_sandbox_build_keeps_the_built_image_and_names_it(sandbox_image, capsys)
                               "uv venv -q /tmp/v && uv pip install -q --python /tmp/v/bin/python mcp==2.0.0 openai"],
                              capture_output=True, text=True)
     assert offline.returncode == 0, offline.stderr  # the harness's wheels install with no network
+
+
+def test_verifiers_upstream_code_golf_runs_unmodified_in_podman(sandbox_image, tiny_model_path):
+    """verifiers' own `environments/code_golf` (copied unmodified into tests/envs/verifiers_tasksets/code_golf): its
+    metric writes each attempt's program to `solution.py` and runs it in the attempt's container."""
+    from transformers import AutoTokenizer
+
+    from trace_rl.envs.lookup import load_env
+
+    env = load_env("verifiers", {"taskset": {"id": "code_golf"}, "id": "code_golf",
+                                 "golfer": {"runtime": {"type": "podman"}}}, [TEST_TASKSETS])
+    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path),
+                              ["```python\nprint(sum(range(101)))\n```", "```python\nprint(5050)\n```"])
+    traces = play(env, runtime, task=0)  # "the sum of the integers 1 to 100": two attempts, both right
+    assert [(t.error, t.rewards["correct"], t.metrics["passed"]) for t in traces] == [(None, 1.0, 1.0)] * 2
+    assert sorted(t.rewards["most_concise"] for t in traces) == [0.0, 1.0]  # the shorter program wins
+    assert containers() == []
