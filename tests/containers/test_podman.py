@@ -157,3 +157,17 @@ def test_verifiers_upstream_code_golf_runs_unmodified_in_podman(sandbox_image, t
     assert [(t.error, t.rewards["correct"], t.metrics["passed"]) for t in traces] == [(None, 1.0, 1.0)] * 2
     assert sorted(t.rewards["most_concise"] for t in traces) == [0.0, 1.0]  # the shorter program wins
     assert containers() == []
+
+
+def test_a_container_that_does_not_start_is_a_retryable_rollout_error(sandbox_image, tiny_model_path):
+    """podman's run fails (here: runc cannot hold the container under a 100 KiB memory limit; under many concurrent
+    starts, a host port that another start took): the rollout loop retries such a rollout (`inference.max_retries`)."""
+    from transformers import AutoTokenizer
+
+    from trace_rl.errors import RetryableError
+
+    env = code_env(runtime={"type": "podman", "memory": 0.0001})
+    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path), ["print(1)"])
+    with pytest.raises(RetryableError, match="SandboxError: podman run failed: Error: OCI runtime error"):
+        play(env, runtime, task=0)
+    assert containers() == []

@@ -46,6 +46,10 @@ RUNTIME_NEEDS = {
     "e2b": (None, None, "E2B_API_KEY"), "modal": (None, None, "MODAL_TOKEN_ID"),
 }
 CONTAINER_ENGINES = ("podman", "docker")  # their default image is trace-rl's, built here (trace_rl.containers)
+# a rollout's container did not start: transient under many concurrent starts (podman's choice of a free host port
+# for verifiers' published service port races), so the rollout is retried; a missing engine or image is refused
+# before step 1
+CONTAINER_NOT_STARTED = tuple(f"{engine} run failed" for engine in CONTAINER_ENGINES)
 
 
 class VerifiersOptions(BaseModel):
@@ -473,5 +477,7 @@ def episode_traces(episode, env_id: str, example: Example) -> list[Trace]:
     if not episode.ok:
         errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
         reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
+        if errors and errors[0].type == "SandboxError" and errors[0].message.startswith(CONTAINER_NOT_STARTED):
+            raise RetryableError(f"verifiers episode of task {example.id}: {reason}")
         raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
     return [trace_from_vf(trace, env=env_id, example_id=example.id) for trace in episode.traces]
