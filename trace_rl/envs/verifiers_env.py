@@ -4,8 +4,9 @@ the run's own sampler (docs/envs.md#verifiers).
 `[env.args]` is a verifiers `EnvConfig` as verifiers' own TOML takes it (`taskset = { id = "my_tasks" }`, an
 `id` pairing an env, the agents' seats), validated by verifiers (`vf.resolve_env_config`). An agent seat that
 names no harness, of a taskset that bundles none, plays on trace-rl's in-process chat harness
-(`trace_rl.verifiers.harness`) in verifiers' subprocess runtime (nothing is started in it); a seat that names one
-runs as verifiers runs it, in its runtime. Every turn the policy takes is sampled by the rollout's `Sampler`
+(`trace_rl.verifiers.harness`) in trace-rl's sandbox (`trace_rl.sandbox`: the programs its task runs run there,
+off the host); a seat that names one runs as verifiers runs it, in its runtime. A seat's `runtime = { type =
+"bwrap", ... }` is the sandbox with its keys, `{ type = "subprocess" }` the host (one warning per process). Every turn the policy takes is sampled by the rollout's `Sampler`
 (`trace_rl.verifiers.client`), so the run's [sampling], weights, LoRA adapter and broadcast apply as for any env.
 
 `[[env]] select` picks the tasks with verifiers' own `SelectConfig` (`Taskset.select`, as `vf-eval --select.*`).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import random
 import shutil
@@ -37,6 +39,8 @@ from trace_rl.envs.registry import register_env
 from trace_rl.errors import FatalError, RetryableError
 from trace_rl.models.runtime import Generation
 
+logger = logging.getLogger(__name__)
+TYPE_BWRAP = "bwrap"  # a seat's sandbox runtime (trace_rl.sandbox), the default of trace-rl's chat harness
 # `examples(seed, count)` of a stream (refill rounds): `count` tasks from position seed mod this
 STREAM_DRAW_SPAN = 10_000
 # what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
@@ -83,6 +87,7 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     from trace_rl.verifiers.harness import HARNESS_ID
 
     data = dict(args)
+    sandboxes = {}
     taskset = data.get("taskset")
     taskset_id = taskset.get("id") if isinstance(taskset, dict) else None
     if not taskset_id:
@@ -102,13 +107,18 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
                 seat["harness"] = {"id": HARNESS_ID}
             harness = seat.get("harness", field.default.harness)
             harness_id = harness.get("id") if isinstance(harness, dict) else getattr(harness, "id", None)
-            if harness_id == HARNESS_ID and "runtime" not in seat:  # it runs nothing: no sandbox needed
-                seat["runtime"] = {"type": "subprocess"}
+            sandbox = seat_sandbox(name, seat.get("runtime"), own_harness=harness_id == HARNESS_ID)
+            if sandbox is not None:
+                sandboxes[name] = sandbox
+                seat["runtime"] = {"type": "subprocess"}  # verifiers checks the seat as the local runtime it is
+            elif isinstance(seat.get("runtime"), dict) and seat["runtime"].get("type") == "subprocess":
+                sandboxes[name] = None  # on the host, as it says
             runtime = seat.get("runtime")
             if isinstance(runtime, dict) and runtime.get("type") in CONTAINER_ENGINES:
                 seat["runtime"] = container_runtime(runtime)
             data[name] = seat
         config = vf.resolve_env_config(data)
+        sandboxed(config, sandboxes)
     except EnvError:
         raise
     except ValidationError as exc:
@@ -138,6 +148,57 @@ def container_runtime(runtime: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **runtime}
 
 
+def seat_sandbox(name: str, runtime: Any, own_harness: bool):
+    """The SandboxConfig of a seat's runtime: `{ type = "bwrap", ... }`, or none named on trace-rl's chat harness
+    (which would otherwise run the task's programs on the host); None for another runtime (a named one, or
+    verifiers' default for its own harnesses, which is no host). `{ type = "subprocess" }` runs on the host, with
+    one warning per process."""
+    from trace_rl.sandbox import SandboxConfig
+
+    kind = runtime.get("type") if isinstance(runtime, dict) else None
+    if kind == "subprocess":
+        warn_host(name)
+    if not (kind == TYPE_BWRAP or (runtime is None and own_harness)):
+        return None
+    try:
+        sandbox = SandboxConfig.model_validate({key: value for key, value in (runtime or {}).items() if key != "type"})
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise EnvError(f"env 'verifiers': args.{name}.runtime.{where}: {problem['msg']} (docs/sandbox.md#keys)") \
+            from None
+    if not own_harness and sandbox.network == "none":
+        raise EnvError(f"env 'verifiers': args.{name}.runtime.network: a verifiers harness in the sandbox reaches the "
+                       "sampler on this host's loopback, which network = \"none\" cuts; set network = \"routes\" "
+                       "(docs/sandbox.md#verifiers-own-harnesses)")
+    return sandbox
+
+
+_warned_host = False
+
+
+def warn_host(seat: str) -> None:
+    global _warned_host
+    if not _warned_host:
+        _warned_host = True
+        logger.warning("env 'verifiers': args.%s.runtime = { type = \"subprocess\" } runs the programs of its "
+                       "rollouts on this host, as this process's user, unsandboxed (docs/sandbox.md)", seat)
+
+
+def sandboxed(config, sandboxes: dict) -> None:
+    """Give the seats in `sandboxes` their runtime: their SandboxConfig's sandbox, or (None) the host; verifiers
+    checked them as subprocess seats. From here on, verifiers runs any other subprocess runtime sandboxed too
+    (`trace_rl.sandbox.runtime.install`)."""
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    from trace_rl.sandbox.runtime import BwrapConfig, HostConfig, install
+
+    install()
+    for name, seat in agent_config_fields(config).items():
+        if name in sandboxes:
+            seat.runtime = HostConfig() if sandboxes[name] is None else BwrapConfig.of(sandboxes[name])
+
+
 def find_uv() -> bool:
     """Whether verifiers' subprocesses find `uv`: on PATH, or installed beside this Python (`pip install uv`), whose
     folder then goes at the front of PATH."""
@@ -153,8 +214,15 @@ def find_uv() -> bool:
 def runtime_lack(kind: str, own_harness: bool) -> str | None:
     """What this machine lacks to run a harness in a runtime of type `kind`, or None. The subprocess runtime needs
     nothing for trace-rl's chat harness, and `uv` for verifiers' own (they install their program with it)."""
-    executable, socket, key = ("uv", None, None) if kind == "subprocess" else RUNTIME_NEEDS.get(kind, (None,) * 3)
-    if kind == "subprocess" and own_harness:
+    if kind == TYPE_BWRAP:
+        from trace_rl.sandbox import bwrap_lack
+
+        lacking = bwrap_lack()
+        if lacking or own_harness:
+            return lacking
+    local = kind in ("subprocess", TYPE_BWRAP)
+    executable, socket, key = ("uv", None, None) if local else RUNTIME_NEEDS.get(kind, (None,) * 3)
+    if local and own_harness:
         return None
     if kind == "podman":
         from trace_rl.containers.engine import engine_problem
@@ -176,11 +244,14 @@ def check_runtimes(config, own_harness: str) -> None:
     vf = verifiers_module()
     from verifiers.v1.configs.agent import agent_config_fields
 
+    from trace_rl.sandbox.runtime import BwrapConfig
+
     for name, seat in agent_config_fields(config).items():
         harness = seat.harness.id if seat.harness is not None else vf.default_harness_id(config.taskset.id)
-        lacking = runtime_lack(seat.runtime.type, harness == own_harness)
+        kind = TYPE_BWRAP if isinstance(seat.runtime, BwrapConfig) else seat.runtime.type
+        lacking = runtime_lack(kind, harness == own_harness)
         if lacking:
-            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {seat.runtime.type!r} "
+            raise EnvError(f"env 'verifiers': args.{name}: harness {harness!r} runs in the {kind!r} "
                            f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
                            f"(args.{name}.runtime) or trace-rl's chat harness (args.{name}.harness = "
                            f"{{ id = \"{own_harness}\" }})")

@@ -1,0 +1,273 @@
+"""`Sandbox`: one rollout's sandbox, its folders and its uid; `run` runs one program in it, to its end or to
+a limit.
+
+A program runs in a bwrap of its own (`trace_rl.sandbox.bwrap`), in the sandbox's pid namespace of that run:
+when the program exits, everything it started dies with it (a daemon cannot outlive it), and when its
+runner kills it (a limit), bwrap and every process in it die (`--die-with-parent`). The folders live in
+`<root>/<pid>-<name>/` (`work/`, `tmp/`, and `sockets/`, the host's ends of the relays of a `routes`
+network); `close()` removes them, and the next sandbox to start removes those of processes that no longer run
+(a run killed by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trace_rl.sandbox.bwrap import UIDS, bwrap_argv
+from trace_rl.sandbox.config import MIB, SandboxConfig
+
+KILLED = 137  # the exit code of a program killed at a limit, as a shell reports a SIGKILL
+DISK_POLL_S = 0.2
+GONE_POLL_S = 0.01
+GONE_WAIT_S = 10.0
+CHUNK = 64 * 1024
+
+
+def default_root() -> Path:
+    """Where sandboxes keep their folders: not under /tmp, which a sandbox's own /tmp hides."""
+    base = Path("/var/tmp")
+    return (base if base.is_dir() else Path(tempfile.gettempdir())) / "trace-rl-sandboxes"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a program ended: its exit code (KILLED when its runner killed it), its output (at most the
+    sandbox's `output_bytes` together), and which limit killed it (None: it ended by itself)."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    limit: str | None = None
+
+
+def folder_bytes(path: Path, stop_above: int) -> int:
+    """The bytes of the files under `path` (their allocated blocks), counted until past `stop_above`."""
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+        if total > stop_above:
+            break
+    return total
+
+
+def read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    return data
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs. A sandbox's init that exited is a zombie until the host's init reaps it; the
+    kernel killed and reaped the rest of its pid namespace before it became one."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
+    """Relay one connection of a sandbox to the host's 127.0.0.1:`port`."""
+    try:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        writer.close()
+        return
+    await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
+def sweep(root: Path) -> None:
+    """Remove the sandbox folders of processes that no longer run."""
+    if not root.is_dir():
+        return
+    for folder in root.iterdir():
+        pid = folder.name.partition("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class Sandbox:
+    """`Sandbox(config, name)`; `start()` makes its folders, `await run(argv, env)` -> Outcome, `close()`
+    removes them. `workdir` (the program's working folder and HOME) and `tmp` (its /tmp) are host folders."""
+
+    def __init__(self, config: SandboxConfig, name: str, root: Path | None = None):
+        self.config = config
+        self.folder = (root or default_root()) / f"{os.getpid()}-{name}"
+        self.workdir = self.folder / "work"
+        self.tmp = self.folder / "tmp"
+        self.sockets = self.folder / "sockets"
+        self.uid: int | None = None
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.routes: list[int] | None = None
+        self.relays: dict[int, asyncio.AbstractServer] = {}
+
+    def start(self) -> None:
+        root = self.folder.parent
+        root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        sweep(root)
+        self.folder.mkdir(mode=0o711)
+        self.workdir.mkdir(mode=0o700)
+        self.sockets.mkdir(mode=0o755)
+        self.tmp.mkdir()
+        self.tmp.chmod(0o1777)
+        if os.geteuid() == 0:
+            self.uid = UIDS.take()
+            os.chown(self.workdir, self.uid, self.uid)
+
+    def own(self, path: Path) -> None:
+        """Give a file the host wrote into the working folder to the sandbox's uid (it may rewrite it)."""
+        if self.uid is not None:
+            with contextlib.suppress(OSError):
+                os.chown(path, self.uid, self.uid, follow_symlinks=False)
+
+    def argv(self, argv: list[str], env: dict[str, str], server: bool = False) -> list[str]:
+        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, self.routes, self.sockets,
+                          server)
+
+    async def allow(self, ports: list[int] | None) -> None:
+        """With `network = "routes"`: from now on, programs reach the host's loopback `ports` only (None: the
+        host's network again, for setup). Each port is relayed from a unix socket in `sockets`."""
+        self.routes = None if ports is None else sorted(set(ports))
+        for port in self.routes or []:
+            if port not in self.relays:
+                path = self.sockets / str(port)
+                self.relays[port] = await asyncio.start_unix_server(
+                    lambda reader, writer, port=port: relay(reader, writer, port), path=str(path))
+                path.chmod(0o666)
+
+    async def spawn(self, argv: list[str], env: dict[str, str], server: bool = False,
+                    **streams) -> asyncio.subprocess.Process:
+        """Start `argv` in the sandbox (killed at `close()` if still running; a `server` has no CPU time limit).
+        bwrap reports the host pid of the sandbox's init (`process.init_pid`): once it is gone, so is every
+        process of the program."""
+        status, report = os.pipe()
+        try:
+            command = self.argv(argv, env, server)
+            command[1:1] = ["--info-fd", str(report)]
+            # a session of its own: verifiers signals a live process's group (`SubprocessProcess.kill`)
+            process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
+                                                           start_new_session=True, **streams)
+            os.close(report)
+            report = -1
+            info = await asyncio.to_thread(read_all, status)  # bwrap closes it once the sandbox has started
+        finally:
+            os.close(status)
+            if report >= 0:
+                os.close(report)
+        process.init_pid = json.loads(info)["child-pid"] if info.startswith(b"{") else None
+        self.processes.append(process)
+        return process
+
+    async def run(self, argv: list[str], env: dict[str, str], stdin: bytes | None = None) -> Outcome:
+        """Run `argv` to its end or to a limit (wall time, output bytes, disk); a cancelled run kills it."""
+        config = self.config
+        process = await self.spawn(argv, env, stdin=asyncio.subprocess.PIPE if stdin is not None else
+                                   asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                   stderr=asyncio.subprocess.PIPE)
+        output = {"stdout": bytearray(), "stderr": bytearray()}
+        over: list[str] = []
+
+        def stop(limit: str) -> None:
+            over.append(limit)
+            self.kill(process)
+
+        async def read(name: str, stream: asyncio.StreamReader) -> None:
+            while chunk := await stream.read(CHUNK):  # to EOF: asyncio's wait() waits for the pipes to close
+                room = config.output_bytes - len(output["stdout"]) - len(output["stderr"])
+                output[name] += chunk[:max(room, 0)]
+                if len(chunk) > room and not over:
+                    stop(f"output over {config.output_bytes} bytes")
+
+        async def watch_disk() -> None:
+            limit = config.disk_mb * MIB
+            while True:
+                await asyncio.sleep(DISK_POLL_S)
+                if await asyncio.to_thread(folder_bytes, self.folder, limit) > limit:
+                    stop(f"disk over {config.disk_mb} MiB")
+                    return
+
+        async def ended() -> None:
+            if stdin is not None:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    process.stdin.write(stdin)
+                    await process.stdin.drain()
+                process.stdin.close()
+            await asyncio.gather(read("stdout", process.stdout), read("stderr", process.stderr))
+            await process.wait()
+
+        watcher = asyncio.ensure_future(watch_disk())
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(ending := asyncio.ensure_future(ended())), config.wall_time_s)
+            except TimeoutError:
+                stop(f"wall time over {config.wall_time_s:g} s")
+                await ending
+        finally:
+            watcher.cancel()
+            self.kill(process)
+            await asyncio.gather(watcher, return_exceptions=True)
+            await self.gone(process)
+            self.processes.remove(process)
+        if over:
+            note = f"\nsandbox: program killed: {over[0]}\n".encode()
+            return Outcome(KILLED, bytes(output["stdout"]), bytes(output["stderr"]) + note, over[0])
+        return Outcome(process.returncode, bytes(output["stdout"]), bytes(output["stderr"]))
+
+    @staticmethod
+    def kill(process: asyncio.subprocess.Process) -> None:
+        """SIGKILL bwrap and the sandbox's init, and with it every process of the program (its pid namespace)."""
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        if process.init_pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(process.init_pid, signal.SIGKILL)
+
+    @staticmethod
+    async def gone(process: asyncio.subprocess.Process) -> None:
+        """Wait until the program's processes are gone: its init exits once the kernel has killed the rest."""
+        await process.wait()
+        for _ in range(int(GONE_WAIT_S / GONE_POLL_S)):  # bounded: the pid may be reused once it is gone
+            if process.init_pid is None or not running(process.init_pid):
+                return
+            await asyncio.sleep(GONE_POLL_S)
+
+    async def close(self) -> None:
+        for server in self.relays.values():
+            server.close()
+        self.relays = {}
+        for process in self.processes:
+            self.kill(process)
+        await asyncio.gather(*(self.gone(process) for process in self.processes), return_exceptions=True)
+        self.processes = []
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the folders and give the uid back (synchronous: also at interpreter exit)."""
+        for process in self.processes:
+            self.kill(process)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.uid is not None:
+            UIDS.give_back(self.uid)
+            self.uid = None
