@@ -1,4 +1,5 @@
-"""Rollouts per second of a code env with the model's programs sandboxed in podman against run on the host,
+"""Rollouts per second of a code env with the model's programs in the sandbox (bubblewrap) and in podman against run on
+the host,
 interleaved.
 
 The workload: configs/code.toml's env (configs/verifiers/code_tasks.py, on trace-rl's chat harness), the real
@@ -8,13 +9,15 @@ at most 48 tokens at temperature 0.7. Each rollout samples one reply, then the t
 into the rollout's runtime and runs it. The sides differ only in that runtime:
 
 - `host`: verifiers' `subprocess` runtime, the program run on the host as the trainer (what the default was);
+- `bwrap`: trace-rl's default sandbox (`trace_rl/sandbox/`, docs/sandbox.md): the program under bubblewrap;
 - `podman`: verifiers' podman runtime on the image `trace-rl sandbox build` makes, with trace-rl's defaults (no
   network but the rollout's routes): a container per rollout, started before the episode and removed after it.
 
 Both sides play the same tasks with the same seeds each round, so they sample the same tokens; the order of the
-sides alternates by round so that a shared machine's load hits both alike. Round 0 (the engine's and the first
+sides rotates by round so that a shared machine's load hits both alike. Round 0 (the engine's and the first
 container's warm-up) is left out. Reported: rollouts per second of each side over the measured rounds (rollouts
-over the rounds' wall time), their ratio (target `TARGET`: podman at least 0.8x host), the mean reward of each side
+over the rounds' wall time), each sandboxed side's ratio to `host` (target `TARGET`: at least 0.8x), the mean reward
+of each side
 (equal rewards say both ran the same programs to the same outputs) and the failed rollouts.
 
     python -m bench.sandbox [--rounds 5]
@@ -31,7 +34,7 @@ from pathlib import Path
 ROUNDS = 5
 BATCH, GROUP = 4, 8
 TARGET = 0.8
-SIDES = {"host": {"type": "subprocess"}, "podman": {"type": "podman"}}
+SIDES = {"host": {"type": "subprocess"}, "bwrap": {"type": "bwrap"}, "podman": {"type": "podman"}}
 TASKSETS = str(Path(__file__).resolve().parents[1] / "configs" / "verifiers")
 
 
@@ -66,7 +69,8 @@ def run(rounds: int = ROUNDS) -> dict:
     failed = {side: 0 for side in SIDES}
     try:
         for round_index in range(rounds + 1):
-            order = list(SIDES) if round_index % 2 == 0 else list(SIDES)[::-1]
+            shift = round_index % len(SIDES)
+            order = [*list(SIDES)[shift:], *list(SIDES)[:shift]]
             for side in order:
                 examples = envs[side].examples(seed=round_index, count=BATCH)
                 start = time.perf_counter()
@@ -83,7 +87,9 @@ def run(rounds: int = ROUNDS) -> dict:
     result = {side: {"rollouts_per_s": rollouts / seconds[side], "seconds": seconds[side],
                      "mean_reward": sum(rewards[side]) / max(len(rewards[side]), 1), "failed": failed[side]}
               for side in SIDES}
-    result["podman_over_host"] = result["podman"]["rollouts_per_s"] / result["host"]["rollouts_per_s"]
+    for side in SIDES:
+        if side != "host":
+            result[f"{side}_over_host"] = result[side]["rollouts_per_s"] / result["host"]["rollouts_per_s"]
     result["target"] = TARGET
     result["rollouts_per_side"] = rollouts
     return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import subprocess
 import uuid
@@ -142,15 +143,22 @@ def test_sandbox_build_keeps_the_built_image_and_names_it(sandbox_image, capsys)
     assert offline.returncode == 0, offline.stderr  # the harness's wheels install with no network
 
 
-def test_verifiers_upstream_code_golf_runs_unmodified_in_podman(sandbox_image, tiny_model_path):
+@pytest.mark.parametrize("runtime", ["default", "podman"])
+def test_verifiers_upstream_code_golf_runs_unmodified_sandboxed(runtime, request, tiny_model_path):
     """verifiers' own `environments/code_golf` (copied unmodified into tests/envs/verifiers_tasksets/code_golf): its
-    metric writes each attempt's program to `solution.py` and runs it in the attempt's container."""
+    metric writes each attempt's program to `solution.py` and runs it in the attempt's runtime: on the defaults the
+    sandbox (bubblewrap), or a podman container."""
     from transformers import AutoTokenizer
 
     from trace_rl.envs.lookup import load_env
 
-    env = load_env("verifiers", {"taskset": {"id": "code_golf"}, "id": "code_golf",
-                                 "golfer": {"runtime": {"type": "podman"}}}, [TEST_TASKSETS])
+    if runtime == "podman":
+        request.getfixturevalue("sandbox_image")
+    elif shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed here (apt-get install -y bubblewrap)")
+    golfer = {"runtime": {"type": "podman"}} if runtime == "podman" else {}
+    env = load_env("verifiers", {"taskset": {"id": "code_golf"}, "id": "code_golf", "golfer": golfer},
+                   [TEST_TASKSETS])
     runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path),
                               ["```python\nprint(sum(range(101)))\n```", "```python\nprint(5050)\n```"])
     traces = play(env, runtime, task=0)  # "the sum of the integers 1 to 100": two attempts, both right
