@@ -1,6 +1,5 @@
-"""Rollouts per second of a code env with the model's programs in the sandbox (bubblewrap) and in podman against run on
-the host,
-interleaved.
+"""Rollouts per second of a code env with the model's programs in the sandbox (bubblewrap) and in podman against
+run on the host, interleaved.
 
 The workload: configs/code.toml's env (configs/verifiers/code_tasks.py, on trace-rl's chat harness), the real
 SmolLM2-135M-Instruct (`smollm2-135m`, float32) on one in-process vLLM engine shared by both sides, a round of
