@@ -179,3 +179,21 @@ def test_a_container_that_does_not_start_is_a_retryable_rollout_error(sandbox_im
     with pytest.raises(RetryableError, match="SandboxError: podman run failed: Error: OCI runtime error"):
         play(env, runtime, task=0)
     assert containers() == []
+
+
+def test_the_containers_of_a_killed_process_are_removed_when_the_env_loads_again(sandbox_image, tiny_model_path):
+    import os
+    import select
+    import sys
+
+    child_env = {key: value for key, value in os.environ.items() if key != "VF_RUN_ID"}
+    child = subprocess.Popen([sys.executable, "-m", "tests.containers.killed_rollout", tiny_model_path], cwd=ROOT,
+                             env=child_env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert select.select([child.stdout], [], [], 120)[0] and child.stdout.readline().strip() == "started"
+    finally:
+        child.kill()
+        child.wait()
+    assert len(containers()) == 1  # its rollout's container outlives it: nothing in it ran verifiers' cleanup
+    code_env().vf_env  # noqa: B018 - a run that loads the env again (`--resume`) sweeps it
+    assert containers() == []

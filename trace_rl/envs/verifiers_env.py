@@ -445,12 +445,28 @@ class VerifiersEnv(Environment):
             from trace_rl.verifiers.client import install
 
             install()
+            self.sweep_containers()
             try:
                 self._env = vf.load_environment(self.config)
             except Exception as exc:  # noqa: BLE001 - the env's or taskset's own constructor refused
                 raise EnvError(f"env 'verifiers': cannot load {self.config.env_id!r}: {type(exc).__name__}: "
                                f"{first_line(exc)}") from None
         return self._env
+
+    def sweep_containers(self) -> None:
+        """Before a container seat's first rollout: label this process's containers with its pid, and remove those
+        of trace-rl processes that are gone (a run killed with rollouts in flight, resumed here)."""
+        from verifiers.v1.configs.agent import agent_config_fields
+
+        from trace_rl.containers.engine import claim_scope, sweep
+
+        engines = {seat.runtime.type for seat in agent_config_fields(self.config).values()} & set(CONTAINER_ENGINES)
+        if engines:
+            claim_scope()
+        for engine in engines:
+            if removed := sweep(engine):
+                logger.warning("removed %d %s containers that trace-rl processes killed earlier left behind: %s",
+                               len(removed), engine, ", ".join(removed))
 
     def taskset(self):
         """The verifiers taskset the tasks come from: the loaded env's."""
