@@ -247,6 +247,13 @@ def cmd_config_schema(args) -> int:
     return 0
 
 
+def cmd_sandbox(args) -> int:
+    from trace_rl.containers.image import build
+
+    print(build(args.tag, args.engine, args.force, log=lambda line: print(line, file=sys.stderr)))
+    return 0
+
+
 def cmd_env_server(args) -> int:
     from trace_rl.remote.server import EnvServerError, Limits, serve
 
@@ -371,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("config-schema", help="print the JSON schema of the config")
     schema.set_defaults(func=cmd_config_schema)
+
+    sandbox = sub.add_parser("sandbox", help="build the default image of verifiers' podman/docker runtimes here, from "
+                             "Debian's packages and PyPI, no registry needed (docs/containers.md#images)")
+    sandbox.add_argument("action", choices=["build"])
+    sandbox.add_argument("--engine", choices=["podman", "docker"], default="podman")
+    sandbox.add_argument("--tag", help="import it under this tag (default: localhost/trace-rl-sandbox:<recipe hash>, "
+                         "the image a podman runtime without `image` runs)")
+    sandbox.add_argument("--force", action="store_true", help="rebuild even if the image or its cached root exists")
+    sandbox.set_defaults(func=cmd_sandbox)
 
     server = sub.add_parser("env-server", help="serve the envs and algorithms of your modules (docs/remote.md)")
     server.add_argument("--allow", action="append", required=True, metavar="MODULE[:CLASS]",

@@ -120,6 +120,22 @@ class VLLMServer:
 
 
 @pytest.fixture(scope="session")
+def sandbox_image():
+    """The default image of verifiers' podman runtime (`trace-rl sandbox build`), built here once per recipe (the
+    engine's store keeps it); skipped where podman is not installed."""
+    import shutil
+
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed here (apt-get install -y podman runc mmdebstrap, as .ci/run does)")
+    from trace_rl.containers.engine import engine_problem
+    from trace_rl.containers.image import build
+
+    problem = engine_problem("podman")
+    assert problem is None, problem
+    return build()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from trace_rl.models.tiny import build_tiny
 

@@ -49,6 +49,11 @@ RUNTIME_NEEDS = {
     "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
     "e2b": (None, None, "E2B_API_KEY"), "modal": (None, None, "MODAL_TOKEN_ID"),
 }
+CONTAINER_ENGINES = ("podman", "docker")  # their default image is trace-rl's, built here (trace_rl.containers)
+# a rollout's container did not start: transient under many concurrent starts (podman's choice of a free host port
+# for verifiers' published service port races), so the rollout is retried; a missing engine or image is refused
+# before step 1
+CONTAINER_NOT_STARTED = tuple(f"{engine} run failed" for engine in CONTAINER_ENGINES)
 
 
 class VerifiersOptions(BaseModel):
@@ -108,6 +113,9 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
                 seat["runtime"] = {"type": "subprocess"}  # verifiers checks the seat as the local runtime it is
             elif isinstance(seat.get("runtime"), dict) and seat["runtime"].get("type") == "subprocess":
                 sandboxes[name] = None  # on the host, as it says
+            runtime = seat.get("runtime")
+            if isinstance(runtime, dict) and runtime.get("type") in CONTAINER_ENGINES:
+                seat["runtime"] = container_runtime(runtime)
             data[name] = seat
         config = vf.resolve_env_config(data)
         sandboxed(config, sandboxes)
@@ -126,6 +134,18 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     if runtimes:
         check_runtimes(config, HARNESS_ID)
     return config
+
+
+def container_runtime(runtime: dict[str, Any]) -> dict[str, Any]:
+    """A podman/docker seat's runtime with trace-rl's defaults: the image built here (`trace-rl sandbox build`, no
+    registry), and no network but the rollout's own routes (the model endpoint, its tool servers) unless the seat
+    sets verifiers' `allow` or `block` (docs/containers.md#network)."""
+    from trace_rl.containers.image import default_tag
+
+    defaults = {"image": default_tag()}
+    if "allow" not in runtime and "block" not in runtime:
+        defaults["allow"] = []
+    return {**defaults, **runtime}
 
 
 def seat_sandbox(name: str, runtime: Any, own_harness: bool):
@@ -204,6 +224,10 @@ def runtime_lack(kind: str, own_harness: bool) -> str | None:
     executable, socket, key = ("uv", None, None) if local else RUNTIME_NEEDS.get(kind, (None,) * 3)
     if local and own_harness:
         return None
+    if kind == "podman":
+        from trace_rl.containers.engine import engine_problem
+
+        return engine_problem(kind)
     if executable == "uv" and not find_uv():
         return "`uv` (`pip install uv` into this Python's environment, as `make setup` does, or put uv on PATH)"
     if executable and shutil.which(executable) is None:
@@ -231,6 +255,13 @@ def check_runtimes(config, own_harness: str) -> None:
                            f"runtime, which needs {lacking}; this machine lacks it: give the seat another runtime "
                            f"(args.{name}.runtime) or trace-rl's chat harness (args.{name}.harness = "
                            f"{{ id = \"{own_harness}\" }})")
+        if seat.runtime.type in CONTAINER_ENGINES:
+            from trace_rl.containers.engine import image_problem
+            from trace_rl.containers.image import default_tag
+
+            missing = image_problem(seat.runtime.type, seat.runtime.image, seat.runtime.image == default_tag())
+            if missing:
+                raise EnvError(f"env 'verifiers': args.{name}.runtime.image: {missing}")
 
 
 class RolloutModel:
@@ -244,6 +275,8 @@ class RolloutModel:
         self.sampler = sampler
         self.tokenizer = sampler.runtime.tokenizer
         self.end_of_turn = (sampler.runtime.config.stop_tokens or [None])[0]
+        self.model = sampler.runtime.config.name
+        self.max_model_len = sampler.runtime.config.max_model_len
         self.error: BaseException | None = None
         self.stop: BaseException | None = None
         self.episode: asyncio.Future | None = None
@@ -412,12 +445,28 @@ class VerifiersEnv(Environment):
             from trace_rl.verifiers.client import install
 
             install()
+            self.sweep_containers()
             try:
                 self._env = vf.load_environment(self.config)
             except Exception as exc:  # noqa: BLE001 - the env's or taskset's own constructor refused
                 raise EnvError(f"env 'verifiers': cannot load {self.config.env_id!r}: {type(exc).__name__}: "
                                f"{first_line(exc)}") from None
         return self._env
+
+    def sweep_containers(self) -> None:
+        """Before a container seat's first rollout: label this process's containers with its pid, and remove those
+        of trace-rl processes that are gone (a run killed with rollouts in flight, resumed here)."""
+        from verifiers.v1.configs.agent import agent_config_fields
+
+        from trace_rl.containers.engine import claim_scope, sweep
+
+        engines = {seat.runtime.type for seat in agent_config_fields(self.config).values()} & set(CONTAINER_ENGINES)
+        if engines:
+            claim_scope()
+        for engine in engines:
+            if removed := sweep(engine):
+                logger.warning("removed %d %s containers that trace-rl processes killed earlier left behind: %s",
+                               len(removed), engine, ", ".join(removed))
 
     def taskset(self):
         """The verifiers taskset the tasks come from: the loaded env's."""
@@ -515,5 +564,7 @@ def episode_traces(episode, env_id: str, example: Example) -> list[Trace]:
     if not episode.ok:
         errors = [*episode.errors, *(trace.last_error for trace in episode.traces if trace.last_error)]
         reason = f"{errors[0].type}: {errors[0].message}" if errors else "the episode did not finish"
+        if errors and errors[0].type == "SandboxError" and errors[0].message.startswith(CONTAINER_NOT_STARTED):
+            raise RetryableError(f"verifiers episode of task {example.id}: {reason}")
         raise EnvError(f"verifiers episode of task {example.id} failed: {reason}")
     return [trace_from_vf(trace, env=env_id, example_id=example.id) for trace in episode.traces]

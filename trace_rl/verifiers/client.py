@@ -17,6 +17,10 @@ Tool calls: a sampled turn's `<tool_call>` blocks (`trace_rl.models.tool_calls`)
 assistant message's `tool_calls`, the text before them as its content; the sampled ids stay the turn's tokens, so
 what is trained is what was sampled. The tools of the turn reach the prompt through `Renderer` (the template's
 rendering, or trace-rl's system-turn block for a template that ignores them).
+
+A harness's `GET /v1/models` (verifiers relays it to the client's base URL, which a sampler in this process does not
+have) is answered by the interception server itself: the rollout's model id and its `max_model_len`, as vLLM's own
+listing gives them, so a harness sizes its context (the `bash` harness's compaction) to the model.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ SAMPLER_URL = "http://trace-rl.sampler.invalid/v1"  # never called: the sampler 
 
 class TurnSampler(Protocol):
     """What a rollout's verifiers turns sample with (the env builds it on `trace_rl.envs.base.Sampler`): the
-    model's tokenizer and end-of-turn token, and `generate` of one turn of the `conversation`-th trace that asks
-    (each conversation and turn its own seed)."""
+    model's tokenizer, end-of-turn token, id and context length, and `generate` of one turn of the
+    `conversation`-th trace that asks (each conversation and turn its own seed)."""
 
     tokenizer: Any
     end_of_turn: str | None
+    model: str
+    max_model_len: int
 
     async def generate(self, prompt_ids: list[int], *, conversation: int, turn: int) -> Generation: ...
 
@@ -67,9 +73,18 @@ def client_config(key: str):
                                 headers={SAMPLER_HEADER: key})
 
 
+def model_listing(sampler: TurnSampler) -> dict:
+    """`GET /v1/models` of a sampler, shaped as vLLM's."""
+    return {"object": "list", "data": [{"id": sampler.model, "object": "model", "created": 0, "owned_by": "trace-rl",
+                                        "root": sampler.model, "max_model_len": sampler.max_model_len}]}
+
+
 def install() -> None:
-    """Route client configs carrying `SAMPLER_HEADER` to `SamplerClient` (idempotent)."""
+    """Route client configs carrying `SAMPLER_HEADER` to `SamplerClient`, and answer their `GET /v1/models`
+    (idempotent)."""
+    from aiohttp import web
     from verifiers.v1.interception import server
+    from verifiers.v1.dialects import DIALECTS
 
     original = server.resolve_client
     if getattr(original, "trace_rl_sampler", False):
@@ -79,8 +94,21 @@ def install() -> None:
         key = getattr(config, "headers", {}).get(SAMPLER_HEADER)
         return original(config) if key is None else SamplerClient(key)
 
+    relay = server.InterceptionServer.handle_models
+
+    async def handle_models(self, request):
+        for dialect in DIALECTS:
+            session = self.sessions.get(dialect.secret(request.headers))
+            if session is not None:
+                key = getattr(session.ctx.client, "headers", {}).get(SAMPLER_HEADER)
+                if key is not None and key in SAMPLERS:
+                    return web.json_response(model_listing(SAMPLERS[key]))
+                break
+        return await relay(self, request)
+
     resolve_client.trace_rl_sampler = True
     server.resolve_client = resolve_client
+    server.InterceptionServer.handle_models = handle_models
 
 
 def to_message(message: Any) -> Message:

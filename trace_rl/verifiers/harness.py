@@ -4,6 +4,10 @@ download. Each segment posts the conversation so far as one chat completion to t
 rollout's MCP tool servers (`trace_rl.verifiers.mcp_tools`), appends their results and posts again, until a reply
 calls no tool or verifiers refuses the turn (the agent's `max_turns`, a @stop, the context length).
 
+verifiers hands a harness the URLs a program inside the rollout's runtime reaches: a container runtime routes the
+host's loopback through a proxy listening in the container's network (`runtime.host_url`). This harness runs here,
+so it takes each URL back to the host's (`host_side`).
+
 verifiers loads a harness by id, importing the module the id names (`trace-rl-chat` -> `trace_rl_chat`) and taking
 the `vf.Harness` subclass in its `__all__`; importing this module makes it importable under that name.
 """
@@ -11,6 +15,7 @@ the `vf.Harness` subclass in its `__all__`; importing this module makes it impor
 from __future__ import annotations
 
 import sys
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import verifiers.v1 as vf
@@ -20,6 +25,20 @@ from trace_rl.verifiers.mcp_tools import ToolServers
 
 HARNESS_ID = "trace-rl-chat"
 sys.modules.setdefault(HARNESS_ID.replace("-", "_"), sys.modules[__name__])
+
+
+def host_side(runtime, url: str) -> str:
+    """The host URL that `runtime.host_url` routed as `url` (unchanged where it routes nothing: the subprocess
+    runtime). verifiers 0.4.0's docker/podman runtime keeps its routes in its egress proxy, by token."""
+    from verifiers.v1.runtimes.docker.egress import _CALLBACK_PREFIX
+
+    proxy = getattr(runtime, "_proxy", None)
+    parts = urlsplit(url)
+    if proxy is None or not parts.path.startswith(_CALLBACK_PREFIX):
+        return url
+    token, _, path = parts.path[len(_CALLBACK_PREFIX):].partition("/")
+    route = proxy._callbacks[token]
+    return urlunsplit((route.scheme, route.authority, f"/{path}", parts.query, parts.fragment))
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -44,7 +63,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages += [message_to_wire(message) for message in prompt or []]
-        tools = await ToolServers.connect(mcp_urls, self.config.tool_timeout)
+        endpoint = host_side(runtime, endpoint)
+        tools = await ToolServers.connect({name: host_side(runtime, url) for name, url in mcp_urls.items()},
+                                          self.config.tool_timeout)
         async with httpx.AsyncClient(timeout=None) as client:
             body = {"model": ctx.model, "messages": messages}
             if tools.schemas:

@@ -1,0 +1,199 @@
+"""verifiers' podman runtime on trace-rl: the default image built here (once per recipe: the engine's store keeps
+it), trace-rl's chat harness and verifiers' `bash` harness reaching the sampler from a container, tool calls
+token-exact, the model's programs run in the container with no network but the rollout's routes, and one-line
+refusals where the engine or the image is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.envs.conftest import ScriptedRuntime
+from tests.envs.test_verifiers_env import recomputed_logprobs
+from tests.envs.test_verifiers_tools import ScoredScriptedRuntime
+from trace_rl.envs.base import EnvError
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE_TASKS = str(ROOT / "configs" / "verifiers")
+TEST_TASKSETS = str(ROOT / "tests" / "envs" / "verifiers_tasksets")
+
+
+def containers() -> list[str]:
+    listed = subprocess.run(["podman", "ps", "-a", "--filter", "label=verifiers.run", "--format", "{{.Names}}"],
+                            capture_output=True, text=True, check=True)
+    return listed.stdout.split()
+
+
+def play(env, runtime, task: int):
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Example, Sampler
+
+    sampler = Sampler(runtime, SamplingConfig(max_completion_tokens=64), seed=0)
+    return asyncio.run(env.rollout(Example(id=f"task{task}", data={"task": task}), sampler))
+
+
+def code_env(**agent):
+    from trace_rl.envs.lookup import load_env
+
+    return load_env("verifiers", {"taskset": {"id": "code_tasks"}, "agent": {"runtime": {"type": "podman"}, **agent}},
+                    [CODE_TASKS])
+
+
+def test_the_chat_harness_runs_the_models_program_in_a_container_cut_off_from_the_host(sandbox_image, s3_server,
+                                                                                         tiny_model_path):
+    from transformers import AutoTokenizer
+
+    env = code_env()
+    expected = env.tasks[0].data.expected
+    # a server on all the host's addresses (as an S3 endpoint may be), beside the S3 server on the host's loopback
+    listener = socket.create_server(("0.0.0.0", 0))
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    s3_port = int(s3_server["endpoint_url"].rpartition(":")[2])
+    marker = Path("/tmp") / f"trace-rl-container-{uuid.uuid4().hex}"
+    targets = [("127.0.0.1", s3_port), (host_ip, listener.getsockname()[1]), ("10.88.0.1", listener.getsockname()[1]),
+               ("deb.debian.org", 80)]
+    program = (f"import socket, os\nopen({str(marker)!r}, 'w').write('x')\nreached = []\n"
+               f"for target in {targets!r}:\n    try:\n        socket.create_connection(target, 3).close()\n"
+               f"        reached.append(target)\n    except OSError:\n        pass\n"
+               f"print({expected!r} if not reached and os.path.exists('/etc/debian_version') else reached)")
+    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path), [f"```python\n{program}\n```"])
+    try:
+        (trace,) = play(env, runtime, task=0)
+    finally:
+        listener.close()
+    assert trace.error is None and trace.metrics == {"passed": 1.0, "ran": 1.0} and trace.reward == 1.0
+    assert not marker.exists()  # it wrote the container's /tmp
+    assert trace.messages[0].content == "External network access is disabled."  # verifiers' notice of the cut
+    assert containers() == []
+
+
+def test_the_bash_harness_calls_tools_in_a_container_token_exactly_and_sees_the_model(sandbox_image, tiny_model_path,
+                                                                                       caplog):
+    from transformers import AutoTokenizer
+
+    import trace_rl.verifiers.client as client
+
+    env = code_env(harness={"id": "bash"})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    replies = ['Checking.<tool_call>{"name": "bash", "arguments": {"command": "python3 -c \'print(6 * 7)\'"}}'
+               '</tool_call>', f"print({env.tasks[0].data.expected!r})"]
+    runtime = ScoredScriptedRuntime(tiny_model_path, tokenizer, replies)
+    # above the harness's compaction threshold, which it takes from /v1/models: max(window - 16384, window / 2)
+    runtime.config = runtime.config.model_copy(update={"max_model_len": 4096})
+    listed = []
+    listing = client.model_listing
+    client.model_listing = lambda sampler: listed.append(listing(sampler)) or listed[-1]
+    try:
+        with caplog.at_level("WARNING"):
+            (trace,) = play(env, runtime, task=0)
+    finally:
+        client.model_listing = listing
+    assert trace.error is None and trace.reward == 1.0
+    assert [m.role for m in trace.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    (call,) = trace.messages[2].tool_calls
+    assert trace.messages[2].content == "Checking." and (call.name, call.arguments) == (
+        "bash", {"command": "python3 -c 'print(6 * 7)'"})
+    assert trace.messages[3].content == "42\n"
+    # the harness asked for the model's context length (its compaction threshold), and got it from trace-rl
+    assert [entry["data"][0]["max_model_len"] for entry in listed] == [4096]
+    assert not [r for r in caplog.records if "models call failed" in r.getMessage()]
+    (branch,) = trace.branches
+    for prompt, reply in zip(runtime.prompts, replies):
+        reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert np.array_equal(branch.token_ids[:len(prompt) + len(reply_ids)], prompt + reply_ids)
+        assert branch.sampled[len(prompt):len(prompt) + len(reply_ids)].all()
+    expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
+    assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
+    assert containers() == []
+
+
+def test_a_podman_seat_is_refused_in_one_line_without_podman_or_its_image(sandbox_image, monkeypatch):
+    with pytest.raises(EnvError) as missing_image:
+        code_env(runtime={"type": "podman", "image": "localhost/no-such-image:1"})
+    assert str(missing_image.value) == (
+        "env 'verifiers': args.agent.runtime.image: podman has no image 'localhost/no-such-image:1' (`podman images` "
+        "lists its store; no registry is assumed: build it here, docs/containers.md#images)")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(EnvError) as no_podman:
+        code_env()
+    assert "\n" not in str(no_podman.value) and "needs `podman` on PATH (apt-get install -y podman runc, then " \
+        "`trace-rl sandbox build`)" in str(no_podman.value)
+
+
+def test_sandbox_build_keeps_the_built_image_and_names_it(sandbox_image, capsys):
+    from flows.cli import main
+
+    assert main(["sandbox", "build"]) == 0
+    assert capsys.readouterr().out.strip() == sandbox_image
+    inspected = json.loads(subprocess.run(["podman", "image", "inspect", sandbox_image], capture_output=True,
+                                          text=True, check=True).stdout)[0]["Config"]
+    assert inspected["StopSignal"] in ("9", "SIGKILL") and "UV_DEFAULT_INDEX=file:///opt/trace-rl/simple" in \
+        inspected["Env"]
+    offline = subprocess.run(["podman", "run", "--rm", "--network", "none", sandbox_image, "sh", "-c",
+                              "uv venv -q /tmp/v && uv pip install -q --python /tmp/v/bin/python mcp==2.0.0 openai"],
+                             capture_output=True, text=True)
+    assert offline.returncode == 0, offline.stderr  # the harness's wheels install with no network
+
+
+@pytest.mark.parametrize("runtime", ["default", "podman"])
+def test_verifiers_upstream_code_golf_runs_unmodified_sandboxed(runtime, request, tiny_model_path):
+    """verifiers' own `environments/code_golf` (copied unmodified into tests/envs/verifiers_tasksets/code_golf): its
+    metric writes each attempt's program to `solution.py` and runs it in the attempt's runtime: on the defaults the
+    sandbox (bubblewrap), or a podman container."""
+    from transformers import AutoTokenizer
+
+    from trace_rl.envs.lookup import load_env
+
+    if runtime == "podman":
+        request.getfixturevalue("sandbox_image")
+    elif shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed here (apt-get install -y bubblewrap)")
+    golfer = {"runtime": {"type": "podman"}} if runtime == "podman" else {}
+    env = load_env("verifiers", {"taskset": {"id": "code_golf"}, "id": "code_golf", "golfer": golfer},
+                   [TEST_TASKSETS])
+    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path),
+                              ["```python\nprint(sum(range(101)))\n```", "```python\nprint(5050)\n```"])
+    traces = play(env, runtime, task=0)  # "the sum of the integers 1 to 100": two attempts, both right
+    assert [(t.error, t.rewards["correct"], t.metrics["passed"]) for t in traces] == [(None, 1.0, 1.0)] * 2
+    assert sorted(t.rewards["most_concise"] for t in traces) == [0.0, 1.0]  # the shorter program wins
+    assert containers() == []
+
+
+def test_a_container_that_does_not_start_is_a_retryable_rollout_error(sandbox_image, tiny_model_path):
+    """podman's run fails (here: runc cannot hold the container under a 100 KiB memory limit; under many concurrent
+    starts, a host port that another start took): the rollout loop retries such a rollout (`inference.max_retries`)."""
+    from transformers import AutoTokenizer
+
+    from trace_rl.errors import RetryableError
+
+    env = code_env(runtime={"type": "podman", "memory": 0.0001})
+    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path), ["print(1)"])
+    with pytest.raises(RetryableError, match="SandboxError: podman run failed: Error: OCI runtime error"):
+        play(env, runtime, task=0)
+    assert containers() == []
+
+
+def test_the_containers_of_a_killed_process_are_removed_when_the_env_loads_again(sandbox_image, tiny_model_path):
+    import os
+    import select
+    import sys
+
+    child_env = {key: value for key, value in os.environ.items() if key != "VF_RUN_ID"}
+    child = subprocess.Popen([sys.executable, "-m", "tests.containers.killed_rollout", tiny_model_path], cwd=ROOT,
+                             env=child_env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert select.select([child.stdout], [], [], 120)[0] and child.stdout.readline().strip() == "started"
+    finally:
+        child.kill()
+        child.wait()
+    assert len(containers()) == 1  # its rollout's container outlives it: nothing in it ran verifiers' cleanup
+    code_env().vf_env  # noqa: B018 - a run that loads the env again (`--resume`) sweeps it
+    assert containers() == []
