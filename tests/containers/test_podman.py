@@ -143,30 +143,6 @@ def test_sandbox_build_keeps_the_built_image_and_names_it(sandbox_image, capsys)
     assert offline.returncode == 0, offline.stderr  # the harness's wheels install with no network
 
 
-@pytest.mark.parametrize("runtime", ["default", "podman"])
-def test_verifiers_upstream_code_golf_runs_unmodified_sandboxed(runtime, request, tiny_model_path):
-    """verifiers' own `environments/code_golf` (copied unmodified into tests/envs/verifiers_tasksets/code_golf): its
-    metric writes each attempt's program to `solution.py` and runs it in the attempt's runtime: on the defaults the
-    sandbox (bubblewrap), or a podman container."""
-    from transformers import AutoTokenizer
-
-    from trace_rl.envs.lookup import load_env
-
-    if runtime == "podman":
-        request.getfixturevalue("sandbox_image")
-    elif shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed here (apt-get install -y bubblewrap)")
-    golfer = {"runtime": {"type": "podman"}} if runtime == "podman" else {}
-    env = load_env("verifiers", {"taskset": {"id": "code_golf"}, "id": "code_golf", "golfer": golfer},
-                   [TEST_TASKSETS])
-    runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path),
-                              ["```python\nprint(sum(range(101)))\n```", "```python\nprint(5050)\n```"])
-    traces = play(env, runtime, task=0)  # "the sum of the integers 1 to 100": two attempts, both right
-    assert [(t.error, t.rewards["correct"], t.metrics["passed"]) for t in traces] == [(None, 1.0, 1.0)] * 2
-    assert sorted(t.rewards["most_concise"] for t in traces) == [0.0, 1.0]  # the shorter program wins
-    assert containers() == []
-
-
 def test_a_container_that_does_not_start_is_a_retryable_rollout_error(sandbox_image, tiny_model_path):
     """podman's run fails (here: runc cannot hold the container under a 100 KiB memory limit; under many concurrent
     starts, a host port that another start took): the rollout loop retries such a rollout (`inference.max_retries`)."""
