@@ -1,5 +1,10 @@
 """The processes a trace-rl process starts die with it, however it ends (SIGKILL included).
 
+`start()` is called where such processes are started: the vLLM engine (`trace_rl.inference.vllm_engine`), the
+torchrun trainer workers (`trace_rl.trainer.launcher`, `trace_rl.trainer.nodes`), and the `trace-rl` commands. So
+every process that starts them has its own reaper, whoever started that process: the CLI, a Prefect worker's or
+`trace-rl serve`'s flow run subprocess, a benchmark side, a library user's script calling the flows.
+
 A process that dies by SIGKILL runs no cleanup, so its vLLM engine (EngineCore and its model
 worker, ~2.4 GB on CPU) would stay alive with nobody to talk to. `start()` therefore launches a
 small watcher, `python -m trace_rl.machine.reaper <pid>`, with a pipe from this process on its stdin.
@@ -33,16 +38,18 @@ POLL_S = 0.25
 RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 
 _reaper: subprocess.Popen | None = None
+_owner = 0  # the pid that started `_reaper`: a process forked from it needs a reaper of its own
 _lock = threading.Lock()
 
 
 def start() -> None:
     """Start this process's reaper (once per process; later calls do nothing)."""
-    global _reaper
+    global _reaper, _owner
     with _lock:
-        if _reaper is None or _reaper.poll() is not None:
+        if _reaper is None or _owner != os.getpid() or _reaper.poll() is not None:
             _reaper = subprocess.Popen([sys.executable, "-m", "trace_rl.machine.reaper", str(os.getpid())],
                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            _owner = os.getpid()
 
 
 # -- the watcher, in its own process ---------------------------------------------------------
