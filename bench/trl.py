@@ -454,13 +454,21 @@ class Side:
             self.rows.append(row)
 
     def fail(self, what: str) -> None:
+        self.error = f"{what}: {self.last_log_line()}"
+        self.kill()
+
+    def last_log_line(self) -> str:
+        """The side's last error line (else its last line) on stderr."""
         with open(self.log_path) as f:
             lines = [line.strip() for line in f if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line]
-        self.error = f"{what}: {(errors or lines or ['no output'])[-1][:400]}"
+        return (errors or lines or ["no output"])[-1][:400]
+
+    def kill(self) -> None:
+        """SIGKILL the side's process and what it started (its vLLM engine processes)."""
         from trace_rl.machine.processes import descendants
 
-        for pid in [*descendants(self.process.pid), self.process.pid]:  # its vLLM engine processes with it
+        for pid in [*descendants(self.process.pid), self.process.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
