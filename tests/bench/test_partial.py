@@ -96,8 +96,11 @@ def test_the_sides_rows_summarize_and_render_side_by_side():
     assert len(groups["rows"]) == 10 and groups["means"]["long"] == pytest.approx({"sync": 0.3, "partial": 0.4, "groups": 5})
     result = {"workload": WORKLOAD, "side_configs": {name: SIDES[name] for name in sides}, "steps": 5, "sides": sides,
               "ratios": {"partial / sync": {"trained_tokens_per_s": 2.0, "steps_per_s": 2.0}}, "groups": groups,
-              "target": 1.5, "load_before": 1.0, "load_range": [2.0, 2.0]}
+              "target": 1.5, "load_before": 1.0, "load_range": [2.0, 2.0], "rounds": [["sync", "partial"]],
+              "memory": {"peak_gb": 12.0, "machine_gb": 24.0, "peak_fraction": 0.5, "budget_fraction": 0.75}}
     text = "\n".join(render_partial(result))
+    assert ("Sides resident at once, in rounds: sync + partial. Peak memory of the bench's processes together (PSS): "
+            "12.0 GB, 50% of the machine's 24.0 GB (budget 75%).") in text
     assert "partial: `max_off_policy_steps = 0`, `partial_rollout_tokens = 256`, `max_token_age = 3`." in text
     assert "| sync | 50.000 |" in text and "| partial | 100.000 |" in text and "| step1 | 0.20* 0.20 | 0.30* 0.30 |" in text
     assert targets({"partial": {"result": result}})[-1][1:] == ["2.00x", ">= 1.5x", True]
