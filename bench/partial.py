@@ -279,7 +279,10 @@ class PartialSide(Side):
     warmup_steps = WORKLOAD["warmup_steps"]
 
     def step(self, timeout_s: float) -> None:
-        super().step(timeout_s)
+        try:
+            super().step(timeout_s)
+        except BrokenPipeError:  # it died while it waited for its turn
+            self.error = self.error or "exited"
         if self.error is not None:
             raise BenchmarkFailed(self.watch and self.watch.failure or self.failure())
 
@@ -323,15 +326,19 @@ class Watch:
 
         next_sum = 0.0
         while not self._done.wait(LIVENESS_S):
-            if dead := [side for side in self.sides if side.process.poll() not in (None, 0)]:
-                return self.fail(dead[0].failure())
+            for side in self.sides:
+                if side.process.poll() not in (None, 0):
+                    side.reader.join(1)  # what it wrote before it ended: an exit after its END line is no failure
+                    if not side.ended:
+                        return self.fail(side.failure())
             if time.monotonic() >= next_sum:
                 next_sum = time.monotonic() + MEMORY_S
                 held = self.memory()
                 self.peak = max(self.peak, held)
                 if held > self.budget:
                     return self.fail(f"its processes hold {held / 2**30:.1f} GB, over {MEMORY_BUDGET:.0%} of this "
-                                     f"machine's {machine_memory() / 2**30:.1f} GB; run fewer sides at once")
+                                     f"machine's {machine_memory() / 2**30:.1f} GB: a side holds more than SIDE_GB "
+                                     f"({SIDE_GB:g}); raise it in bench/partial.py so that fewer sides run at once")
 
     def fail(self, why: str) -> None:
         self.failure = why

@@ -424,10 +424,13 @@ class Side:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),  # noqa: SIM115 - the child's
             text=True, bufsize=1)
         self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.ended = False  # it wrote its END line
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
+            self.ended = self.ended or line.startswith(END)
             self.lines.put(line)
         self.lines.put(None)
 
@@ -465,12 +468,15 @@ class Side:
         return (errors or lines or ["no output"])[-1][:400]
 
     def kill(self) -> None:
-        """SIGKILL the side's process and what it started (its vLLM engine processes)."""
+        """SIGKILL the side's process and what it started (its vLLM engine processes). Once it has ended, its pid
+        may name another process: what it started is then its reaper's to end."""
         from trace_rl.machine.processes import descendants
 
-        for pid in [*descendants(self.process.pid), self.process.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            for pid in descendants(self.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.process.kill()
 
     def finish(self, timeout_s: float) -> dict:
         if self.error is None:
