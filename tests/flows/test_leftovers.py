@@ -1,6 +1,6 @@
 """Nothing left behind from any entry point (issue 54): a process that runs the train flow without the `trace-rl`
-command, SIGKILLed alone once its vLLM engine has started, takes its engine along; so does a flow run that
-`trace-rl serve` started, and the serving process goes on serving. (The `trace-rl train` process is checked in
+command, SIGKILLed alone once its vLLM engine and torchrun trainer workers run, takes them along; so does a flow
+run that `trace-rl serve` started, and the serving process goes on serving. (The `trace-rl train` process is checked in
 tests/flows/test_lifecycle.py, plain processes in tests/machine/test_reaper.py.)"""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tomli_w
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
 from tests.flows.test_lifecycle import GONE_WITHIN_S, alive
-from trace_rl.machine.processes import descendants, name, stat
+from trace_rl.machine.processes import command, descendants, is_alive, name, stat
 
 ROOT = Path(__file__).resolve().parents[2]
 # what a library user's script (or a Prefect process worker's flow run) does: call the flow, no CLI, no reaper of its own
@@ -27,23 +27,33 @@ CALL_THE_FLOW = ("import sys; from flows.train import train_flow; from trace_rl.
                  "train_flow(load_config(sys.argv[1]))")
 
 
-def write_config(tmp_path: Path, name: str, model: str) -> Path:
-    config = small_config(str(tmp_path / "runs"), name, steps=2, model={"name": model},
-                          inference={"backend": "vllm", **VLLM_ENGINE})
+def write_config(tmp_path: Path, name: str, model: str, steps: int = 2, **overrides) -> Path:
+    config = small_config(str(tmp_path / "runs"), name, steps=steps, model={"name": model},
+                          inference={"backend": "vllm", **VLLM_ENGINE}, **overrides)
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(config))
     return path
 
 
-def engine_core(root: int, process: subprocess.Popen, timeout: float = 300) -> int:
-    """The pid of the vLLM EngineCore below `root` once it runs (`process`: the one whose end fails the wait)."""
+def engine_core(pid: int) -> bool:
+    return name(pid).startswith("VLLM::EngineCor")
+
+
+def torchrun_with_ranks(pid: int) -> bool:
+    return "torch.distributed.run" in command(pid) and bool(descendants(pid))
+
+
+def started(root: int, process: subprocess.Popen, *kinds, timeout: float = 300) -> list[int]:
+    """A pid of each kind (a test of a pid) below `root`, once all of them run (`process`: the one whose end
+    fails the wait)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [pid for pid in descendants(root) if name(pid).startswith("VLLM::EngineCor")]
-        if found:
-            return found[0]
-        assert process.poll() is None, f"{process.args} ended (exit {process.returncode}) before its engine started"
-        assert time.monotonic() < deadline, "no vLLM engine started"
+        below = descendants(root)
+        found = [next((pid for pid in below if kind(pid)), None) for kind in kinds]
+        if None not in found:
+            return found
+        assert process.poll() is None, f"{process.args} ended (exit {process.returncode}) before {kinds} all ran"
+        assert time.monotonic() < deadline, f"not all of {kinds} started"
         time.sleep(0.1)
 
 
@@ -55,17 +65,20 @@ def kill_alone_and_check_nothing_is_left(pid: int) -> None:
     killed = time.monotonic()
     while alive(started) and time.monotonic() - killed < GONE_WITHIN_S:
         time.sleep(0.1)
-    assert not alive(started), f"still alive {GONE_WITHIN_S} s after the kill: {alive(started)}"
+    left = [f"{command(pid)} (pid {pid})" for pid, start in started.items() if is_alive(pid, start)]
+    assert not left, f"still alive {GONE_WITHIN_S} s after the kill: {left}"
 
 
 @pytest.mark.slow
-def test_a_script_calling_the_train_flow_takes_its_engine_along_when_killed(prefect_api, tmp_path, tiny_model_path):
-    config = write_config(tmp_path, "called", tiny_model_path)
+def test_a_script_calling_the_train_flow_takes_its_engine_and_workers_along_when_killed(prefect_api, tmp_path,
+                                                                                      tiny_model_path):
+    config = write_config(tmp_path, "called", tiny_model_path, steps=4,
+                          trainer={"lr": 1e-3, "micro_batch_tokens": 512, "num_processes": 2, "device": "cpu"})
     with open(tmp_path / "called.log", "w") as log:
         script = subprocess.Popen([sys.executable, "-c", CALL_THE_FLOW, str(config)], cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        engine_core(script.pid, script)
+        started(script.pid, script, engine_core, torchrun_with_ranks)  # the workers start at step 1's training
         kill_alone_and_check_nothing_is_left(script.pid)
     finally:
         with_group_killed(script)
@@ -108,7 +121,8 @@ def test_a_flow_run_of_serve_killed_leaves_nothing_and_serve_goes_on(prefect_api
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         killed_run = start_flow_run(prefect_api, "served", server)
-        flow_run_process = stat(engine_core(server.pid, server)).ppid  # the engine's parent: the flow run's process
+        (engine,) = started(server.pid, server, engine_core)
+        flow_run_process = stat(engine).ppid  # the engine's parent: the flow run's process
         assert flow_run_process != server.pid
         kill_alone_and_check_nothing_is_left(flow_run_process)
         assert server.poll() is None, "trace-rl serve died with its flow run"

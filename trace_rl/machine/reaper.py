@@ -15,8 +15,10 @@ started since, and exits. After a normal exit there is usually nothing left to k
 stops its vLLM engines first); whatever still runs is killed as after a crash.
 
 Two kinds of process are not recorded:
-- processes in another session: the embedded Prefect server is started with its own session
-  (`start_new_session=True`) because it outlives the run and serves the next ones;
+- a process that the watched process itself started in a session of its own, with everything below it: the
+  embedded Prefect server is started so (`start_new_session=True`) because it outlives the run and serves the
+  next ones. Deeper down a new session means nothing of the kind: torchrun starts every trainer rank in a
+  session of its own, and a rank must die with the run;
 - multiprocessing's resource tracker: it exits by itself once the processes it tracks are gone,
   after unlinking the shared memory they leaked (killing it would leave that in /dev/shm).
 
@@ -54,25 +56,25 @@ def start() -> None:
 
 # -- the watcher, in its own process ---------------------------------------------------------
 def watched(parent: int, session: int, recorded: dict[int, int]) -> None:
-    """Add the processes below `parent` in `session` (but not the resource tracker or this one) to `recorded`
+    """Add the processes below `parent` (but not what it detached, the resource tracker or this one) to `recorded`
     (pid -> start time)."""
     queue = [parent]
     while queue:
-        for child in children(queue.pop()):
+        above = queue.pop()
+        for child in children(above):
             found = stat(child)
-            if found is None or found.sid != session or child == os.getpid():
-                continue  # gone, or started in a session of its own (with everything below it)
+            if found is None or (above == parent and found.sid != session) or child == os.getpid():
+                continue  # gone, or detached by the watched process (with everything below it)
             if RESOURCE_TRACKER not in command(child):
                 recorded[child] = found.start
             queue.append(child)
 
 
-def kill(recorded: dict[int, int], session: int) -> list[str]:
+def kill(recorded: dict[int, int]) -> list[str]:
     """SIGKILL the recorded processes that still run and everything below them; returns what was killed."""
     targets = {pid for pid, start in recorded.items() if is_alive(pid, start)}
     for pid in list(targets):  # what they started since the last look
-        targets |= {child for child in descendants(pid)
-                    if (found := stat(child)) and found.sid == session and RESOURCE_TRACKER not in command(child)}
+        targets |= {child for child in descendants(pid) if RESOURCE_TRACKER not in command(child)}
     killed = []
     for pid in sorted(targets):
         label = f"{name(pid)} (pid {pid})"
@@ -95,7 +97,7 @@ def watch(parent: int) -> None:
         if os.getppid() != parent:
             break
         watched(parent, session, recorded)
-    killed = kill(recorded, session)
+    killed = kill(recorded)
     if killed:
         print(f"trace-rl: the process {parent} is gone; killed the processes it started: {', '.join(killed)}",
               file=sys.stderr, flush=True)
