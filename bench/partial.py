@@ -21,9 +21,9 @@ grows with the tail's length over the segment's: up to 1024 tokens against a 256
 workload asked for a count to 140-160 as its long prompt; the model seldom counted that far, so its tail was
 rare and the measured gain small (docs/benchmarks.md).
 
-Sides (`SIDES`; `DEFAULT_SIDES` run unless `--sides` names others: each holds a vLLM engine and a trainer, about
-7 GB, and four do not fit in 24 GB), each a real `train` flow run (`flows.train.run_training`) in a subprocess of
-its own against one embedded Prefect server, with the same seed, examples and trainer:
+Sides (`SIDES`; `DEFAULT_SIDES` run unless `--sides` names others), each a real `train` flow run
+(`flows.train.run_training`) in a subprocess of its own against one embedded Prefect server, with the same seed,
+examples and trainer:
 
 - `sync`: `max_off_policy_steps = 0`, every rollout of a step sampled to its end before training;
 - `k=1`: `max_off_policy_steps = 1`, step n + 1 sampled beside step n's training, rollouts still whole;
@@ -38,7 +38,17 @@ its own against one embedded Prefect server, with the same seed, examples and tr
   them (the default, 2k = 2, would mask them).
 
 The sides are interleaved step by step (bench/trl.py's `Side`: one side's step at a time, the order rotating),
-so a shared machine's load hits all alike. Each run is `steps + 1` steps long and stopped before its last one,
+so a shared machine's load hits all alike.
+
+How they share the machine: each side holds a vLLM engine and a trainer, about `SIDE_GB` (7 GB), and the
+bench's processes together must stay under `MEMORY_BUDGET` (75%) of the machine's memory. As many sides as fit
+in it are resident at once (`resident_sides`: 2 on a 24 GB machine); when the sides asked for do not all fit,
+they run in rounds (`rounds`), each round interleaved step by step on its own and each holding `sync` beside as
+many others as fit, so every ratio to sync is taken between sides that ran side by side. While sides run, a
+watcher (`Watch`) sums the memory of every process of the bench (PSS: a page shared between processes counts
+once), reports its peak, and fails the benchmark at once, killing every side, if one dies (naming the side and
+how it ended: the kernel's OOM killer sends SIGKILL) or the sum passes the budget. Each side also gives the
+memory its step freed back to the system after the step (`bench.trl.release_free_memory`). Each run is `steps + 1` steps long and stopped before its last one,
 so every measured step of the k = 1 sides samples the next one beside its training, as in the middle of a run;
 no checkpoints (the same on every side), the weights exported every step for the sampler. Figures are over the
 steps after `warmup_steps` (3): step 1 loads the models (and with k = 1 samples ahead alone), and the partial
@@ -65,12 +75,15 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-from bench.trl import END, ROW, Side, interleave, report, tree_cpu_seconds, wait_for_turn
+from bench.trl import END, ROW, Side, interleave, release_free_memory, report, tree_cpu_seconds, wait_for_turn
 
 STEPS = 7
 PARTIAL_TOKENS = 256
@@ -92,8 +105,15 @@ SIDES = {  # overrides of the workload's config
     "partial k=1": {"max_off_policy_steps": 1, "partial_rollout_tokens": PARTIAL_TOKENS, "max_token_age": 4},
 }
 TARGET = ("partial", "sync")  # the pair the issue's 1.5x is about; every other ratio is reported
-# each side holds a vLLM engine and a trainer, about 7 GB: a fourth side does not fit in 24 GB beside them
+REFERENCE = "sync"  # the side every other is compared with, in every round
 DEFAULT_SIDES = ("sync", "partial", "partial k=1")
+# a side's peak, its trainer process with its vLLM engine: three sides and the Prefect server held 22 GB on
+# November 27 (the k=1 side then OOM-killed on a 23 GB machine)
+SIDE_GB = 7.0
+BASE_GB = 1.0  # this process and the Prefect server
+MEMORY_BUDGET = 0.75  # of the machine's memory, for every process of the bench together
+LIVENESS_S = 0.25  # how often the watcher checks that every side lives
+MEMORY_S = 1.0  # how often it sums their memory
 ENV = "dataset"
 NUMBER = re.compile(r"\d+")
 
@@ -175,12 +195,12 @@ def group_rewards(storage, step: int) -> dict[str, dict]:
         for group_id, traces in groups.items()}
 
 
-def side_main(side: str, steps: int, data: str, storage: str) -> None:
+def side_main(side: str, steps: int, data: str, storage: str, workload: dict = WORKLOAD) -> None:
     import flows.train
     from trace_rl.inference.vllm_engine import shutdown_engines
     from trace_rl.storage import RunStorage
 
-    config = side_config(side, data, storage, steps)
+    config = side_config(side, data, storage, steps, workload)
     run_storage = RunStorage.of(config)
     subflow = flows.train.step_flow
     stopped = []
@@ -196,6 +216,7 @@ def side_main(side: str, steps: int, data: str, storage: str) -> None:
         report(ROW, {"step": step, "wall": wall, "cpu": cpu, "load": os.getloadavg()[0],
                      "metrics": {k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))},
                      "groups": group_rewards(run_storage, step)})
+        release_free_memory()
         return result
 
     flows.train.step_flow = gated_step
@@ -213,9 +234,9 @@ KEYS = ("partial/rounds", "partial/in_flight", "partial/carried_tokens", "async/
         "batch/age_masked_tokens", "async/policy_lag_mean")
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], warmup_steps: int = WORKLOAD["warmup_steps"]) -> dict:
     """Over the steps after the warm-up: throughput, medians of the `time/*` and partial keys, rewards by group."""
-    warm = rows[WORKLOAD["warmup_steps"]:]
+    warm = rows[warmup_steps:]
     seconds = sum(r["wall"] for r in warm)
     tokens = sum(r["metrics"]["batch/rl_tokens"] for r in warm)
     times = sorted({k for r in warm for k in r["metrics"] if k.startswith("time/")})
@@ -236,9 +257,143 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+class BenchmarkFailed(Exception):
+    """A side died or failed, or memory passed the budget: the benchmark stops at once (every side killed)."""
+
+
+class Refused(Exception):
+    """The sides asked for cannot run on this machine (a one-line error, exit 2)."""
+
+
+def exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (" (as the kernel's OOM killer kills)" if name == "SIGKILL" else "")
+    return f"exit code {code}"
+
+
 class PartialSide(Side):
+    watch: Watch | None = None
+    warmup_steps = WORKLOAD["warmup_steps"]
+
+    def step(self, timeout_s: float) -> None:
+        try:
+            super().step(timeout_s)
+        except BrokenPipeError:  # it died while it waited for its turn
+            self.error = self.error or "exited"
+        if self.error is not None:
+            raise BenchmarkFailed(self.watch and self.watch.failure or self.failure())
+
+    def failure(self) -> str:
+        """How the side ended (or why it is failed, when it still runs) and its last log line."""
+        try:
+            self.process.wait(5)  # its output ended: its exit code follows
+            how = exit_reason(self.process.returncode)
+        except subprocess.TimeoutExpired:
+            how = self.error
+        return f"the side {self.name!r} died: {how}; its last log line: {self.last_log_line()}"
+
     def summarize(self, end: dict) -> dict:
-        return summarize(self.rows)
+        return summarize(self.rows, self.warmup_steps)
+
+
+class Watch:
+    """While sides run: the memory of the bench's processes, summed (PSS) and its peak; and whether every side
+    lives. A side that ends before it is told to, or memory past `budget` bytes, fails the benchmark at once:
+    `failure` says why, every side is killed, and the step waiting for one returns."""
+
+    def __init__(self, sides: list[PartialSide], others: list[int], budget: int):
+        self.sides, self.others, self.budget = sides, others, budget
+        self.peak = 0
+        self.failure: str | None = None
+        for side in sides:
+            side.watch = self
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-watch")
+        self._thread.start()
+
+    def memory(self) -> int:
+        from trace_rl.machine.processes import descendants, memory
+
+        roots = [os.getpid(), *self.others, *(side.process.pid for side in self.sides)]
+        pids = {os.getpid()} | {pid for root in roots[1:] for pid in (root, *descendants(root))}
+        return sum(memory(pid) for pid in pids)
+
+    def _run(self) -> None:
+        from trace_rl.machine.processes import machine_memory
+
+        next_sum = 0.0
+        while not self._done.wait(LIVENESS_S):
+            for side in self.sides:
+                if side.process.poll() not in (None, 0):
+                    side.reader.join(1)  # what it wrote before it ended: an exit after its END line is no failure
+                    if not side.ended:
+                        return self.fail(side.failure())
+            if time.monotonic() >= next_sum:
+                next_sum = time.monotonic() + MEMORY_S
+                held = self.memory()
+                self.peak = max(self.peak, held)
+                if held > self.budget:
+                    return self.fail(f"its processes hold {held / 2**30:.1f} GB, over {MEMORY_BUDGET:.0%} of this "
+                                     f"machine's {machine_memory() / 2**30:.1f} GB: a side holds more than SIDE_GB "
+                                     f"({SIDE_GB:g}); raise it in bench/partial.py so that fewer sides run at once")
+
+    def fail(self, why: str) -> None:
+        self.failure = why
+        for side in self.sides:
+            side.error = side.error or why
+            side.kill()
+            side.lines.put(None)  # wakes the coordinator if it waits for this side
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def resident_sides() -> int:
+    """How many sides fit in the memory budget at once, beside this process and the Prefect server."""
+    from trace_rl.machine.processes import machine_memory
+
+    return int((MEMORY_BUDGET * machine_memory() / 2**30 - BASE_GB) // SIDE_GB)
+
+
+def rounds(sides: tuple[str, ...], resident: int) -> list[tuple[str, ...]]:
+    """The sides in rounds of at most `resident`: all in one when they fit, else `REFERENCE` in every round beside
+    as many others as fit, so every ratio to it is taken between sides that ran side by side."""
+    if len(sides) <= resident:
+        return [sides]
+    if resident < 2 or REFERENCE not in sides:
+        raise Refused(f"--sides {', '.join(map(repr, sides))}: {resident} side(s) of about {SIDE_GB:g} GB fit in "
+                      f"{MEMORY_BUDGET:.0%} of this machine's memory; name at most {max(resident, 1)}, or "
+                      f"{REFERENCE!r} among them to run in rounds")
+    others = [side for side in sides if side != REFERENCE]
+    return [(REFERENCE, *others[i:i + resident - 1]) for i in range(0, len(others), resident - 1)]
+
+
+def run_round(sides: tuple[str, ...], steps: int, home: str, data: str, workload: dict = WORKLOAD,
+              others: tuple[int, ...] = ()) -> tuple[dict[str, dict], int]:
+    """The sides interleaved step by step, watched (`Watch`; `others`: more pids whose memory counts, e.g. the
+    Prefect server's); their summaries and the peak memory of the bench's processes. Raises `BenchmarkFailed`."""
+    from trace_rl.machine.processes import machine_memory
+
+    os.makedirs(home, exist_ok=True)
+    running = [PartialSide(side, steps, home, command=[
+        sys.executable, "-m", "bench.partial", "--side", side, "--steps", str(steps), "--data", data,
+        "--storage", os.path.join(home, "runs"), "--workload", json.dumps(workload)]) for side in sides]
+    for side in running:
+        side.warmup_steps = workload["warmup_steps"]
+    watch = Watch(running, list(others), int(MEMORY_BUDGET * machine_memory()))
+    try:
+        results = interleave(running, steps)
+    finally:
+        watch.stop()
+        for side in running:  # after a failure: nothing of any side is left
+            side.kill()
+    if watch.failure:
+        raise BenchmarkFailed(watch.failure)
+    return results, watch.peak
 
 
 def compare_groups(sides: dict) -> dict:
@@ -256,10 +411,16 @@ def compare_groups(sides: dict) -> dict:
     return {"rows": rows, "means": means}
 
 
-def run(steps: int = STEPS, sides: tuple[str, ...] = DEFAULT_SIDES) -> dict:
-    from bench.step import use_private_prefect
+PAIRS = (TARGET, ("partial k=1", "sync"), ("k=1", "sync"), ("partial", "k=1"))
 
+
+def run(steps: int = STEPS, sides: tuple[str, ...] = DEFAULT_SIDES, workload: dict = WORKLOAD) -> dict:
+    from bench.step import use_private_prefect
+    from trace_rl.machine.processes import machine_memory
+
+    plan = rounds(sides, resident_sides())
     load_before = os.getloadavg()[0]
+    results, ratios, peak = {}, {}, 0
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-partial-") as home:
         use_private_prefect(home)
         from flows import prefect_server
@@ -268,24 +429,27 @@ def run(steps: int = STEPS, sides: tuple[str, ...] = DEFAULT_SIDES) -> dict:
         os.environ["PREFECT_API_URL"] = server["api_url"]
         data = os.path.join(home, "long_tail.jsonl")
         with open(data, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in long_tail_rows())
+            f.writelines(json.dumps(row) + "\n" for row in long_tail_rows(workload))
         try:
-            results = interleave([PartialSide(side, steps, home, command=[
-                sys.executable, "-m", "bench.partial", "--side", side, "--steps", str(steps), "--data", data,
-                "--storage", os.path.join(home, "runs")]) for side in sides], steps)
+            for number, names in enumerate(plan, 1):
+                done, round_peak = run_round(names, steps, os.path.join(home, f"round-{number}"), data, workload,
+                                             others=(server["pid"],))
+                peak = max(peak, round_peak)
+                ratios.update({f"{ours} / {theirs}": {
+                    "trained_tokens_per_s": done[ours]["trained_tokens_per_s"] / done[theirs]["trained_tokens_per_s"],
+                    "steps_per_s": done[ours]["steps_per_s"] / done[theirs]["steps_per_s"]}
+                    for ours, theirs in PAIRS if ours in done and theirs in done})
+                results.update({name if name not in results else f"{name}, round {number}": summary
+                                for name, summary in done.items()})
         finally:
             prefect_server.stop()
-    done = {name: s for name, s in results.items() if "error" not in s}
-    ratios = {}
-    for ours, theirs in (TARGET, ("partial k=1", "sync"), ("k=1", "sync"), ("partial", "k=1")):
-        if ours in done and theirs in done:
-            ratios[f"{ours} / {theirs}"] = {
-                "trained_tokens_per_s": done[ours]["trained_tokens_per_s"] / done[theirs]["trained_tokens_per_s"],
-                "steps_per_s": done[ours]["steps_per_s"] / done[theirs]["steps_per_s"]}
-    loads = [x for s in done.values() for x in s["loads"]]
-    return {"workload": WORKLOAD, "side_configs": {side: SIDES[side] for side in sides}, "steps": steps,
-            "sides": results,
-            "ratios": ratios, "groups": compare_groups(done) if "sync" in done and len(done) > 1 else None,
+    loads = [x for s in results.values() for x in s["loads"]]
+    machine = machine_memory()
+    return {"workload": workload, "side_configs": {side: SIDES[side] for side in sides}, "steps": steps,
+            "sides": results, "rounds": [list(names) for names in plan],
+            "memory": {"peak_gb": peak / 2**30, "machine_gb": machine / 2**30, "peak_fraction": peak / machine,
+                       "budget_fraction": MEMORY_BUDGET},
+            "ratios": ratios, "groups": compare_groups(results) if REFERENCE in results and len(results) > 1 else None,
             "target": 1.5, "load_before": load_before,
             "load_average": statistics.median(loads) if loads else os.getloadavg()[0],
             "load_range": [min(loads), max(loads)] if loads else None}
@@ -299,11 +463,19 @@ def main() -> None:
     parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--storage", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", type=json.loads, default=WORKLOAD, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        side_main(args.side, args.steps, args.data, args.storage)
+        side_main(args.side, args.steps, args.data, args.storage, args.workload)
         return
-    result = run(args.steps, tuple(args.sides))
+    try:
+        result = run(args.steps, tuple(args.sides))
+    except Refused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except BenchmarkFailed as exc:
+        print(f"error: bench.partial failed: {exc}", file=sys.stderr)
+        sys.exit(1)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -35,7 +35,7 @@ BENCHMARKS = {  # name: (module, timeout seconds)
     "trl": ("bench.trl", 1200),
     "trl-real": ("bench.trl_real", 3600),
     "overlap": ("bench.overlap", 2400),
-    "partial": ("bench.partial", 5400),
+    "partial": ("bench.partial", 7200),
     "lora": ("bench.lora", 600),
     "long-prefix": ("bench.long_prefix", 3600),
     "logprob-gap": ("bench.logprob_gap", 3600),
@@ -391,6 +391,12 @@ def render_partial(r: dict) -> list[str]:
     if r.get("load_range"):
         lines += [f"Load average (1 min) at each step's start: {r['load_range'][0]:.1f} to {r['load_range'][1]:.1f} "
                   f"(before the run: {r['load_before']:.1f}).", ""]
+    if r.get("memory"):
+        m = r["memory"]
+        lines += [f"Sides resident at once, in rounds: {' then '.join(' + '.join(names) for names in r['rounds'])}. "
+                  f"Peak memory of the bench's processes together (PSS): {m['peak_gb']:.1f} GB, "
+                  f"{m['peak_fraction']:.0%} of the machine's {m['machine_gb']:.1f} GB (budget "
+                  f"{m['budget_fraction']:.0%}).", ""]
     return lines
 
 

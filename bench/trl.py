@@ -424,10 +424,13 @@ class Side:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),  # noqa: SIM115 - the child's
             text=True, bufsize=1)
         self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.ended = False  # it wrote its END line
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
+            self.ended = self.ended or line.startswith(END)
             self.lines.put(line)
         self.lines.put(None)
 
@@ -454,15 +457,26 @@ class Side:
             self.rows.append(row)
 
     def fail(self, what: str) -> None:
+        self.error = f"{what}: {self.last_log_line()}"
+        self.kill()
+
+    def last_log_line(self) -> str:
+        """The side's last error line (else its last line) on stderr."""
         with open(self.log_path) as f:
             lines = [line.strip() for line in f if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line]
-        self.error = f"{what}: {(errors or lines or ['no output'])[-1][:400]}"
+        return (errors or lines or ["no output"])[-1][:400]
+
+    def kill(self) -> None:
+        """SIGKILL the side's process and what it started (its vLLM engine processes). Once it has ended, its pid
+        may name another process: what it started is then its reaper's to end."""
         from trace_rl.machine.processes import descendants
 
-        for pid in [*descendants(self.process.pid), self.process.pid]:  # its vLLM engine processes with it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            for pid in descendants(self.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.process.kill()
 
     def finish(self, timeout_s: float) -> dict:
         if self.error is None:

@@ -96,8 +96,68 @@ def test_the_sides_rows_summarize_and_render_side_by_side():
     assert len(groups["rows"]) == 10 and groups["means"]["long"] == pytest.approx({"sync": 0.3, "partial": 0.4, "groups": 5})
     result = {"workload": WORKLOAD, "side_configs": {name: SIDES[name] for name in sides}, "steps": 5, "sides": sides,
               "ratios": {"partial / sync": {"trained_tokens_per_s": 2.0, "steps_per_s": 2.0}}, "groups": groups,
-              "target": 1.5, "load_before": 1.0, "load_range": [2.0, 2.0]}
+              "target": 1.5, "load_before": 1.0, "load_range": [2.0, 2.0], "rounds": [["sync", "partial"]],
+              "memory": {"peak_gb": 12.0, "machine_gb": 24.0, "peak_fraction": 0.5, "budget_fraction": 0.75}}
     text = "\n".join(render_partial(result))
+    assert ("Sides resident at once, in rounds: sync + partial. Peak memory of the bench's processes together (PSS): "
+            "12.0 GB, 50% of the machine's 24.0 GB (budget 75%).") in text
     assert "partial: `max_off_policy_steps = 0`, `partial_rollout_tokens = 256`, `max_token_age = 3`." in text
     assert "| sync | 50.000 |" in text and "| partial | 100.000 |" in text and "| step1 | 0.20* 0.20 | 0.30* 0.30 |" in text
     assert targets({"partial": {"result": result}})[-1][1:] == ["2.00x", ">= 1.5x", True]
+
+
+def test_the_sides_run_in_rounds_with_sync_when_they_do_not_all_fit():
+    from bench.partial import DEFAULT_SIDES, Refused, rounds
+
+    assert rounds(DEFAULT_SIDES, 3) == [DEFAULT_SIDES]
+    assert rounds(DEFAULT_SIDES, 2) == [("sync", "partial"), ("sync", "partial k=1")]
+    assert rounds(("sync", "k=1", "partial", "partial k=1"), 3) == [("sync", "k=1", "partial"), ("sync", "partial k=1")]
+    with pytest.raises(Refused, match="name at most 2, or 'sync' among them"):
+        rounds(("partial", "partial k=1", "k=1"), 2)
+    with pytest.raises(Refused, match="1 side"):
+        rounds(DEFAULT_SIDES, 1)
+
+
+@pytest.mark.slow
+def test_a_side_killed_mid_step_fails_the_benchmark_at_once_naming_it(prefect_api, tmp_path, tiny_model_path):
+    """One side of the bench on the tiny model (its real side process, flow run and vLLM engine), SIGKILLed alone as
+    the kernel's OOM killer kills, once its first step has started the engine: the benchmark fails within seconds,
+    naming the side and how it ended, and nothing of the side is left."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    from bench.partial import BenchmarkFailed, run_round
+    from trace_rl.machine.processes import children, command, descendants, is_alive, name, stat
+
+    workload = {**WORKLOAD, "model": tiny_model_path, "max_completion_tokens": 8, "max_model_len": 256,
+                "micro_batch_tokens": 256, "request_timeout_s": 60.0, "warmup_steps": 0}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in long_tail_rows(workload)))
+    killed: dict = {}
+
+    def kill_mid_step() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            for side in [pid for pid in children(os.getpid()) if "bench.partial --side sync" in command(pid)]:
+                tree = [side, *descendants(side)]
+                if any(name(pid).startswith("VLLM::EngineCor") for pid in tree):
+                    killed["tree"] = {pid: stat(pid).start for pid in tree}
+                    killed["at"] = time.monotonic()
+                    os.kill(side, signal.SIGKILL)
+                    return
+            time.sleep(0.1)
+
+    threading.Thread(target=kill_mid_step, daemon=True).start()
+    with pytest.raises(BenchmarkFailed) as failed:
+        run_round(("sync",), 2, str(tmp_path / "bench"), str(data), workload)
+    assert "at" in killed, f"the side failed before its engine started: {failed.value}"
+    assert time.monotonic() - killed["at"] < 5, f"the benchmark took {time.monotonic() - killed['at']:.1f} s to fail"
+    assert str(failed.value).startswith("the side 'sync' died: killed by SIGKILL"), failed.value
+    deadline = time.monotonic() + 5
+    while (left := [name(pid) for pid, start in killed["tree"].items() if is_alive(pid, start)]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"still alive 5 s after the benchmark failed: {left}"

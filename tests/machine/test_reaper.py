@@ -13,14 +13,14 @@ from trace_rl.machine.processes import descendants, is_alive, stat
 
 ROOT = Path(__file__).resolve().parents[2]
 SLEEP = "import time; time.sleep(600)"
-# a parent with a reaper, a child that has a child of its own, a forked child (it holds the reaper's pipe
-# open, as vLLM's engine does where it forks, on GPUs), and a process in its own session (as the embedded
-# Prefect server is started)
+# a parent with a reaper, a child that has a child of its own in a session of its own (as torchrun starts its
+# ranks), a forked child (it holds the reaper's pipe open, as vLLM's engine does where it forks, on GPUs), and a
+# process the parent started in its own session (as the embedded Prefect server is started)
 PARENT = f"""
 import multiprocessing, subprocess, sys, time
 from trace_rl.machine import reaper
 reaper.start()
-child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', {SLEEP!r}])"])
+child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', {SLEEP!r}], start_new_session=True)"])
 forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
 forked.start()
 detached = subprocess.Popen([sys.executable, "-c", {SLEEP!r}], start_new_session=True)
@@ -38,7 +38,7 @@ def wait_until(condition, timeout: float) -> bool:
     return True
 
 
-def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detached():
+def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detached_itself():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child, detached = map(int, parent.stdout.readline().split())
     assert wait_until(lambda: len(descendants(child)) == 1, 30), "the grandchild never started"

@@ -13,6 +13,8 @@ The engine's processes (EngineCore and its model worker) can die. A monitor thre
 checks them twice a second; when one is gone, or an engine step raises, every waiting
 caller gets an `EngineDeadError` naming the engine, the process exit code and the last
 error the engine logged, and every later request fails at once. Nothing waits forever.
+The process that starts an engine starts its reaper first (`trace_rl.machine.reaper`): if that process is killed,
+SIGKILL included, the engine's processes die with it, whoever started it (the CLI, a flow run's process, a script).
 
 On CPU, chunked prefill is off: vLLM samples (and discards) a token for a request whose
 prompt is only partly scheduled, then rewinds that request's seeded generator with
@@ -45,6 +47,7 @@ from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_logging import configure_this_process, quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
+from trace_rl.machine import reaper
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.models.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
 from trace_rl.models.runtime import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
@@ -198,6 +201,7 @@ class EngineWorker:
         self._lora_ids = itertools.count(1)
         self._log = EngineLog(config.key)
         self._started: Future = Future()
+        reaper.start()
         self._thread = threading.Thread(target=self._run, name=f"vllm-engine-{config.key}", daemon=True)
         self._thread.start()
         self.llm = self._started.result()

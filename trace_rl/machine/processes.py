@@ -108,6 +108,24 @@ def command(pid: int) -> str:
         return ""
 
 
+def memory(pid: int) -> int:
+    """The process's proportional set size in bytes (its own pages plus its share of those it maps with others, so
+    a sum over processes counts a shared page once); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def machine_memory() -> int:
+    """This machine's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def name(pid: int) -> str:
     """The process's name as `ps` shows it (vLLM names its processes, e.g. VLLM::EngineCore)."""
     try:

@@ -1,5 +1,10 @@
 """The processes a trace-rl process starts die with it, however it ends (SIGKILL included).
 
+`start()` is called where such processes are started: the vLLM engine (`trace_rl.inference.vllm_engine`), the
+torchrun trainer workers (`trace_rl.trainer.launcher`, `trace_rl.trainer.nodes`), and the `trace-rl` commands. So
+every process that starts them has its own reaper, whoever started that process: the CLI, a Prefect worker's or
+`trace-rl serve`'s flow run subprocess, a benchmark side, a library user's script calling the flows.
+
 A process that dies by SIGKILL runs no cleanup, so its vLLM engine (EngineCore and its model
 worker, ~2.4 GB on CPU) would stay alive with nobody to talk to. `start()` therefore launches a
 small watcher, `python -m trace_rl.machine.reaper <pid>`, with a pipe from this process on its stdin.
@@ -10,8 +15,10 @@ started since, and exits. After a normal exit there is usually nothing left to k
 stops its vLLM engines first); whatever still runs is killed as after a crash.
 
 Two kinds of process are not recorded:
-- processes in another session: the embedded Prefect server is started with its own session
-  (`start_new_session=True`) because it outlives the run and serves the next ones;
+- a process that the watched process itself started in a session of its own, with everything below it: the
+  embedded Prefect server is started so (`start_new_session=True`) because it outlives the run and serves the
+  next ones. Deeper down a new session means nothing of the kind: torchrun starts every trainer rank in a
+  session of its own, and a rank must die with the run;
 - multiprocessing's resource tracker: it exits by itself once the processes it tracks are gone,
   after unlinking the shared memory they leaked (killing it would leave that in /dev/shm).
 
@@ -33,39 +40,41 @@ POLL_S = 0.25
 RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 
 _reaper: subprocess.Popen | None = None
+_owner = 0  # the pid that started `_reaper`: a process forked from it needs a reaper of its own
 _lock = threading.Lock()
 
 
 def start() -> None:
     """Start this process's reaper (once per process; later calls do nothing)."""
-    global _reaper
+    global _reaper, _owner
     with _lock:
-        if _reaper is None or _reaper.poll() is not None:
+        if _reaper is None or _owner != os.getpid() or _reaper.poll() is not None:
             _reaper = subprocess.Popen([sys.executable, "-m", "trace_rl.machine.reaper", str(os.getpid())],
                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            _owner = os.getpid()
 
 
 # -- the watcher, in its own process ---------------------------------------------------------
 def watched(parent: int, session: int, recorded: dict[int, int]) -> None:
-    """Add the processes below `parent` in `session` (but not the resource tracker or this one) to `recorded`
+    """Add the processes below `parent` (but not what it detached, the resource tracker or this one) to `recorded`
     (pid -> start time)."""
     queue = [parent]
     while queue:
-        for child in children(queue.pop()):
+        above = queue.pop()
+        for child in children(above):
             found = stat(child)
-            if found is None or found.sid != session or child == os.getpid():
-                continue  # gone, or started in a session of its own (with everything below it)
+            if found is None or (above == parent and found.sid != session) or child == os.getpid():
+                continue  # gone, or detached by the watched process (with everything below it)
             if RESOURCE_TRACKER not in command(child):
                 recorded[child] = found.start
             queue.append(child)
 
 
-def kill(recorded: dict[int, int], session: int) -> list[str]:
+def kill(recorded: dict[int, int]) -> list[str]:
     """SIGKILL the recorded processes that still run and everything below them; returns what was killed."""
     targets = {pid for pid, start in recorded.items() if is_alive(pid, start)}
     for pid in list(targets):  # what they started since the last look
-        targets |= {child for child in descendants(pid)
-                    if (found := stat(child)) and found.sid == session and RESOURCE_TRACKER not in command(child)}
+        targets |= {child for child in descendants(pid) if RESOURCE_TRACKER not in command(child)}
     killed = []
     for pid in sorted(targets):
         label = f"{name(pid)} (pid {pid})"
@@ -88,7 +97,7 @@ def watch(parent: int) -> None:
         if os.getppid() != parent:
             break
         watched(parent, session, recorded)
-    killed = kill(recorded, session)
+    killed = kill(recorded)
     if killed:
         print(f"trace-rl: the process {parent} is gone; killed the processes it started: {', '.join(killed)}",
               file=sys.stderr, flush=True)

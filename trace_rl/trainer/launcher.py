@@ -22,8 +22,8 @@ whose heartbeat stops for `trainer.node_timeout_s` fails the step in flight, nam
 Every file is written to a temporary name and renamed, so a reader never sees half of one.
 When a worker dies, torchrun stops the others and exits: the waiting step raises `TrainerError`
 (retryable), and the next `train` starts fresh workers that restore the latest checkpoint. The
-workers exit when their launcher is gone (they watch its pid and start time; the CLI's reaper
-also SIGKILLs them).
+workers exit when their launcher is gone (they watch its pid and start time; the launching
+process's reaper, `trace_rl.machine.reaper`, started before torchrun, also SIGKILLs them).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any, Self
 
 from trace_rl.config import Config
 from trace_rl.errors import RefusedError
+from trace_rl.machine import reaper
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer.nodes import (ControlDir, Heartbeat, NodeSession, NodeWatch, end_workers, heartbeat_interval,
                                     torchrun_command, write_private_config)
@@ -98,6 +99,7 @@ class TrainerWorkers:
         else:
             self.control_dir = ControlDir.local(self.local)
         command = torchrun_command(self.config, self.control_dir.root, config_path, 0, self.session and self.session.id)
+        reaper.start()
         with open(os.path.join(self.local, "workers.log"), "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         _RUNNING.add(self)

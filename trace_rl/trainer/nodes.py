@@ -45,7 +45,7 @@ from typing import Any
 from trace_rl.config import Config, config_hash
 from trace_rl.credentials import REVEAL
 from trace_rl.errors import RefusedError
-from trace_rl.machine import processes
+from trace_rl.machine import processes, reaper
 from trace_rl.storage import RunStorage, first_unfinished_step
 
 POLL_S = 0.02  # a local directory (one node) or a run on a local or shared file system
@@ -404,6 +404,7 @@ def run_session(session: NodeSession, config: Config, node_rank: int, config_pat
     """Run this node's workers in `session` until they exit, the session ends (they get END_GRACE_S to finish)
     or node 0 goes silent; report the exit code in `exit-<K>.json` and return it."""
     heartbeat = Heartbeat(session.control_dir, node_rank, heartbeat_interval(config)).start()
+    reaper.start()
     process = subprocess.Popen(torchrun_command(config, session.control_dir.root, config_path, node_rank, session.id),
                                stdin=subprocess.DEVNULL)
     watch = session.watch([0], config)
