@@ -35,7 +35,7 @@ examples and trainer:
 - `partial k=1`: the same segments with `max_off_policy_steps = 1`, step n + 1's segment sampled beside step n's
   training with the weights of step n - 1. Its tokens are a step older than on `partial` (a segment's tokens
   are 1 step old when sampled), so a 4-segment story's first tokens are 4 steps old: `max_token_age = 4` keeps
-  them (the default, 2k = 2, would mask them).
+  them (the default, k + 4 segments = 5, one step more).
 
 The sides are interleaved step by step (bench/trl.py's `Side`: one side's step at a time, the order rotating),
 so a shared machine's load hits all alike.

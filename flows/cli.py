@@ -97,7 +97,7 @@ def cmd_train(args) -> int:
     from trace_rl.runs.preflight import check_reachable
     from trace_rl.runs.start import check_run, finished_message
 
-    storage = check_run(config, "resume" if args.resume else "overwrite" if args.overwrite else "new")
+    storage = args.storage = check_run(config, "resume" if args.resume else "overwrite" if args.overwrite else "new")
     finished = finished_message(config, storage) if args.resume else None
     if finished is not None:  # nothing to run: no Prefect server, no flow run
         print(finished, file=sys.stderr)
@@ -435,9 +435,22 @@ def failure_line(exc: BaseException, args) -> str:
     """The cause of a failed command and how to go on: a failed training step leaves the run resumable."""
     line = str(exc) if isinstance(exc, FatalError) else f"{type(exc).__name__}: {exc}"
     if args.command == "train":
-        overrides = "".join(f" --set {o}" for o in args.overrides)
-        line += f"; fix that and continue the run with `trace-rl train {args.config}{overrides} --resume`"
+        line += f"; {next_move(args)}"
     return line if getattr(args, "verbose", True) else f"{line} (--verbose shows the traceback)"
+
+
+def next_move(args) -> str:
+    """After a failed `train`: run it again where nothing trained yet, else continue it."""
+    from trace_rl.runs.start import run_exists
+    from trace_rl.storage import first_unfinished_step
+
+    command = f"trace-rl train {args.config}" + "".join(f" --set {o}" for o in args.overrides)
+    storage = getattr(args, "storage", None)  # set once the run's directory was checked
+    if storage is None or not run_exists(storage):
+        return f"fix that and run `{command}` again"
+    if first_unfinished_step(storage) == 1:
+        return f"fix that and run again with `{command} --resume` (no step finished yet)"
+    return f"fix that and continue the run with `{command} --resume`"
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ def train_flow(config: Config, mode: Literal["new", "resume", "overwrite"] = "ne
         return []
     if first > 1:
         say(logger, console, f"continuing {config.name} at step {first} of {config.steps}")
+    if config.async_.partial_rollout_tokens is not None and config.async_.max_token_age is None:
+        say(logger, console, f"async.max_token_age unset: {config.token_age_bound} (max_off_policy_steps "
+                             f"{config.async_.max_off_policy_steps} + {config.max_segments} segments a rollout can need)")
     rows = history(config, first - 1)
     progress = start_progress(config, first - 1)
     done: list[tuple] = []

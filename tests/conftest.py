@@ -224,3 +224,19 @@ def realistic_model():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter) -> None:
+    """After `--durations`' slowest tests: the suite's time by test directory (setup, call and teardown), so a new
+    slow test shows where it landed (README, Tests)."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                folder = os.path.dirname(report.nodeid.split("::")[0]) or "."
+                seconds[folder] = seconds.get(folder, 0.0) + report.duration
+    if len(seconds) > 1:
+        terminalreporter.write_sep("=", "time by test directory")
+        for folder, total in sorted(seconds.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{total:8.1f}s  {folder}")

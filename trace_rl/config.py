@@ -510,9 +510,9 @@ class AsyncConfig(Strict):
     max_token_age: int | None = Field(
         None, ge=0, description="with partial_rollout_tokens: the oldest a trained token may be, in steps between "
         "the weights that sampled it and those its step trains from (step n trains from weights n - 1: a token "
-        "of weights v is n - 1 - v old); older ones go by stale_tokens. Unset: 2 * max_off_policy_steps (a token "
-        "the schedule samples is up to k old, one continued from an earlier step up to k more); with "
-        "max_off_policy_steps = 0 set it >= 1")
+        "of weights v is n - 1 - v old); older ones go by stale_tokens. Unset: max_off_policy_steps + the "
+        "segments a rollout can need (the largest max_completion_tokens of the envs / partial_rollout_tokens, "
+        "rounded up), which trains every token of a one-turn rollout")
     stale_tokens: Literal["mask", "drop"] = Field(
         "mask", description="a token older than max_token_age (only a rollout continued across steps holds one): "
         "'mask' leaves it out of the loss, 'drop' drops its whole rollout (docs/async.md)")
@@ -529,11 +529,6 @@ class AsyncConfig(Strict):
                              f"samples tokens max_off_policy_steps = {self.max_off_policy_steps} steps old; set "
                              f"max_token_age >= {self.max_off_policy_steps}")
         return self
-
-    @property
-    def token_age_bound(self) -> int:
-        """The oldest a trained token may be (`max_token_age`, by default 2 * `max_off_policy_steps`)."""
-        return 2 * self.max_off_policy_steps if self.max_token_age is None else self.max_token_age
 
 
 class Config(Strict):
@@ -663,6 +658,26 @@ class Config(Strict):
 
     def sampling_for(self, env: EnvConfig) -> SamplingConfig:
         return env.sampling or self.sampling
+
+    @property
+    def max_segments(self) -> int:
+        """With partial rollouts: the segments a one-turn rollout can need, over the envs (1 without them)."""
+        tokens = self.async_.partial_rollout_tokens
+        if tokens is None:
+            return 1
+        return max(-(-self.sampling_for(env).max_completion_tokens // tokens) for env in self.env)
+
+    @property
+    def token_age_bound(self) -> int:
+        """The oldest a trained token may be: `async.max_token_age`, else max_off_policy_steps + `max_segments`.
+
+        A rollout of s segments trains with its first tokens k + s - 1 steps old; one step more keeps every token
+        of an ended group that waits a step to train. Without partial rollouts no token is older than k."""
+        if self.async_.max_token_age is not None:
+            return self.async_.max_token_age
+        if self.async_.partial_rollout_tokens is None:
+            return self.async_.max_off_policy_steps
+        return self.async_.max_off_policy_steps + self.max_segments
 
 
 class ConfigError(ValueError):

@@ -38,7 +38,7 @@ def test_opsd_defaults_to_the_policy_as_teacher():
 
 
 def test_echo_filter_must_be_importable_at_config_time():
-    with pytest.raises(ConfigError, match="echo filter 'nowhere.module:fn' cannot be imported"):
+    with pytest.raises(ConfigError, match="echo filter 'nowhere.module:fn': module 'nowhere.module' was not found on sys.path"):
         config([{"id": "echo", "filter": {"import_path": "nowhere.module:fn"}}])
 
 

@@ -116,7 +116,7 @@ def test_a_filter_returning_the_wrong_shape_or_type_is_named(name, message):
 
 
 def test_an_unimportable_filter_is_rejected_when_loading():
-    with pytest.raises(AlgorithmError, match="echo filter 'tests.algorithms.plugins:nope' cannot be imported"):
+    with pytest.raises(AlgorithmError, match="echo filter 'tests.algorithms.plugins:nope': module 'tests.algorithms.plugins' has no attribute 'nope'"):
         load_algorithm({"id": "echo", "filter": {"import_path": "tests.algorithms.plugins:nope"}})
 
 

@@ -123,7 +123,8 @@ def test_exact_numeric_and_imported_rewards():
     assert load_reward("trace_rl.envs.rewards:exact_match") is exact_match
     with pytest.raises(EnvError, match="reward 'no_such_module:f': module 'no_such_module' was not found on sys.path"):
         load_reward("no_such_module:f")
-    with pytest.raises(EnvError, match="reward 'trace_rl.envs.rewards:nothing': cannot import it"):
+    with pytest.raises(EnvError, match="reward 'trace_rl.envs.rewards:nothing': module 'trace_rl.envs.rewards' has no attribute 'nothing'; "
+                                        "check the name after ':'"):
         load_reward("trace_rl.envs.rewards:nothing")
     with pytest.raises(EnvError, match="unknown reward 'fuzzy'"):
         load_reward("fuzzy")

@@ -75,3 +75,21 @@ def test_a_failed_step_ends_in_one_line_and_the_run_resumes_once_its_cause_is_fi
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not resuming.search(resumed.stderr)  # not without --verbose
     assert (tmp_path / "runs" / "too-long" / "weights" / "000002" / "STABLE").exists()
+
+
+def test_a_failed_train_says_run_it_again_until_a_step_finished_then_continue_it(tmp_path):
+    from flows.cli import build_parser, failure_line
+    from trace_rl.storage import RunStorage, step_name
+
+    args = build_parser().parse_args(["train", "run.toml", "--set", "steps=3"])
+    command = "`trace-rl train run.toml --set steps=3"
+    before = failure_line(ValueError("bad"), args)  # failed before the run's directory was checked
+    assert before == f"ValueError: bad; fix that and run {command}` again (--verbose shows the traceback)"
+    args.storage = storage = RunStorage.from_url(str(tmp_path / "run"))
+    assert failure_line(ValueError("bad"), args) == before  # checked, nothing written yet
+    storage.write_json(storage.path("config.toml"), {})
+    assert f"fix that and run again with {command} --resume` (no step finished yet)" in failure_line(
+        ValueError("bad"), args)
+    for kind in ("checkpoints", "weights"):
+        storage.mark_stable(storage.path(kind, step_name(1)))
+    assert f"fix that and continue the run with {command} --resume`" in failure_line(ValueError("bad"), args)

@@ -159,3 +159,29 @@ def test_an_idle_worker_exits_and_the_next_request_starts_another():
         time.sleep(0.01)
     assert workers() == 0
     assert batcher.submit(2).result(timeout=10) == 4
+
+
+def test_a_batch_is_what_the_loop_submits_before_it_waits_however_slow_it_runs():
+    """Arrival times do not split a batch: rollouts that each spend 20 ms of the loop's time (4x `settle_s`), and a
+    few loop passes, before their request still go out together, as do the turns their results lead to."""
+    batches: list[list[str]] = []
+
+    def run_batch(requests, futures):
+        batches.append(list(requests))
+        for request, future in zip(requests, futures, strict=True):
+            future.set_result(request)
+
+    batcher = RequestBatcher(run_batch, settle_s=0.005, max_wait_s=0.05)
+
+    async def rollout(i: int) -> None:
+        for turn in range(2):
+            for _ in range(i):
+                await asyncio.sleep(0)
+            time.sleep(0.02)  # a slow env, or a loaded machine
+            await asyncio.wrap_future(batcher.submit(f"r{i}t{turn}"))
+
+    async def main():
+        await asyncio.gather(*(rollout(i) for i in range(5)))
+
+    asyncio.run(main())
+    assert batches == [[f"r{i}t0" for i in range(5)], [f"r{i}t1" for i in range(5)]]

@@ -276,9 +276,14 @@ def test_tokens_older_than_max_token_age_are_masked_or_their_rollout_dropped():
     assert [t.error is None for t in (fresh, carried, stale)] == [True, True, False]
     assert stale.error.startswith("dropped for age")
     assert mask_stale(samples, 6, 3) == 0  # max_token_age 3: weights 2 and newer train
-    bound = [AsyncConfig(max_off_policy_steps=k, partial_rollout_tokens=4, max_token_age=age).token_age_bound
-             for k, age in ((1, None), (3, None), (0, 2), (1, 1))]
-    assert bound == [2, 6, 2, 1]  # unset: 2 * max_off_policy_steps
+
+    def bound(k: int, age: int | None = None, completions: tuple[int, ...] = (6, 9)) -> int:
+        envs = [{"id": "reverse-text", "sampling": {"max_completion_tokens": c}} for c in completions]
+        return Config(name="bound", env=envs, **{"async": AsyncConfig(
+            max_off_policy_steps=k, partial_rollout_tokens=4, max_token_age=age)}).token_age_bound
+
+    # unset: k + the segments the longest completion can need (9 tokens in segments of 4: 3)
+    assert [bound(1), bound(3), bound(0), bound(0, completions=(4,)), bound(0, 2), bound(1, 1)] == [4, 6, 3, 1, 2, 1]
 
 
 class SandboxEnv(ReverseText):
@@ -290,9 +295,8 @@ class SandboxEnv(ReverseText):
 @pytest.mark.parametrize("change, problem", [
     ({"async": {"max_off_policy_steps": 1, "partial_rollout_tokens": 0}},
      "async.partial_rollout_tokens: Input should be greater than or equal to 1"),
-    ({"async": {"partial_rollout_tokens": 4}},
-     ("async.max_token_age = 0 (unset: 2 * max_off_policy_steps) would mask every token an earlier step sampled: "
-      "set async.max_token_age >= 1")),
+    ({"async": {"partial_rollout_tokens": 4, "max_token_age": 0}},
+     "async.max_token_age = 0 would mask every token an earlier step sampled: set async.max_token_age >= 1"),
     ({"async": {"max_token_age": 2}}, "async.max_token_age bounds the age of tokens continued across steps"),
     ({"async": {"max_off_policy_steps": 2, "partial_rollout_tokens": 4, "max_token_age": 1}},
      ("async.max_token_age = 1 would mask every token: the schedule samples tokens max_off_policy_steps = 2 steps "
@@ -320,3 +324,13 @@ def test_partial_rollouts_it_cannot_continue_are_refused_in_one_line_by_the_cli(
     assert main(["train", str(config), "--dry-run"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert any(problem in line for line in lines) and all(line.startswith("error: ") for line in lines), lines
+
+
+def test_partial_rollout_tokens_alone_passes_the_check_with_its_derived_age_bound(tmp_path):
+    from flows.cli import main
+
+    config = tmp_path / "partial.toml"
+    config.write_text(tomli_w.dumps(small_config(str(tmp_path), "partial", **{"async": {"partial_rollout_tokens": 4}})))
+    assert main(["train", str(config), "--dry-run"]) == 0
+    loaded = Config(**small_config(str(tmp_path), "partial", **{"async": {"partial_rollout_tokens": 4}}))
+    assert loaded.token_age_bound == loaded.max_segments > 1  # k = 0, and a completion longer than a segment

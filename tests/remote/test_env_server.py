@@ -320,10 +320,11 @@ def test_a_client_cannot_make_the_server_import_a_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("entry, problem", [
-    ("tests.remote.algos:Nope", "--allow tests.remote.algos:Nope: 'tests.remote.algos' has no Algorithm or "
-                                "Environment class 'Nope'"),
-    ("tests.remote.no_such_module", "--allow tests.remote.no_such_module: cannot import module"),
-    ("json", "--allow json: importing it registered no algorithm or env"),
+    ("tests.remote.algos:Nope", "--allow 'tests.remote.algos:Nope': module 'tests.remote.algos' has no attribute "
+                                "'Nope'; check the name after ':'"),
+    ("tests.remote.no_such_module", "--allow 'tests.remote.no_such_module': module 'tests.remote.no_such_module' "
+                                    "was not found on sys.path"),
+    ("json", "--allow 'json': importing it registered no algorithm or env"),
 ])
 def test_a_bad_allow_entry_stops_the_server_at_start(entry, problem):
     done = subprocess.run(server_command("--port", str(free_port()), allow=entry), capture_output=True, text=True,

@@ -7,7 +7,6 @@ predict what its environment answers.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
@@ -19,6 +18,7 @@ from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.algorithms.registry import register_algorithm
 from trace_rl.algorithms.signal import ok_traces
 from trace_rl.data.trace import Message, Trace
+from trace_rl.imports import ImportPathError, import_path
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -63,14 +63,13 @@ class EchoOptions(BaseModel):
         return self
 
 
-def resolve_filter(import_path: str) -> Callable[..., Any]:
-    module_name, _, attr = import_path.partition(":")
+def resolve_filter(path: str) -> Callable[..., Any]:
     try:
-        fn = getattr(importlib.import_module(module_name), attr) if attr else None
-    except (ImportError, AttributeError) as exc:
-        raise AlgorithmError(f"echo filter {import_path!r} cannot be imported: {exc}") from None
+        fn = import_path(path, "echo filter")
+    except ImportPathError as exc:
+        raise AlgorithmError(str(exc)) from None
     if not callable(fn):
-        raise AlgorithmError(f"echo filter {import_path!r} must name a callable as 'package.module:function'")
+        raise AlgorithmError(f"echo filter {path!r} must name a callable as 'package.module:function'")
     return fn
 
 

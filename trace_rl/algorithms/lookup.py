@@ -5,7 +5,6 @@ Importing this module imports every builtin algorithm, so each has registered it
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +18,7 @@ import trace_rl.algorithms.sft  # noqa: F401
 from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.algorithms.registry import ALGORITHMS
 from trace_rl.config import AlgorithmConfig
-from trace_rl.imports import module_is_missing, not_on_path
+from trace_rl.imports import ImportPathError, import_path, not_on_path
 
 
 def is_import_path(algorithm_id: str) -> bool:
@@ -35,21 +34,12 @@ def resolve_algorithm_class(algorithm_id: str) -> type[Algorithm] | None:
         return ALGORITHMS[algorithm_id]
     if not is_import_path(algorithm_id):
         return None
-    module_name, _, attr = algorithm_id.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if module_is_missing(module_name, exc):
+        cls = import_path(algorithm_id, "algorithm")
+    except ImportPathError as exc:
+        if exc.missing_module:
             return None  # the module itself is not here
-        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
-                             f"{type(exc).__name__}: {exc}; install the missing package or fix the module") from exc
-    except Exception as exc:  # an ImportError or any error raised while the module runs
-        raise AlgorithmError(f"algorithm {algorithm_id!r}: importing module {module_name!r} failed: "
-                             f"{type(exc).__name__}: {exc}; fix the module or install its dependencies") from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise AlgorithmError(f"algorithm {algorithm_id!r}: module {module_name!r} has no attribute {attr!r}; "
-                             "check the class name after ':'")
+        raise AlgorithmError(str(exc)) from exc.__cause__
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise AlgorithmError(f"{algorithm_id!r} is not a trace_rl Algorithm subclass")
     return cls

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from trace_rl.config import SamplingConfig
 from trace_rl.data.trace import Message, Trace
 from trace_rl.errors import RetryableError
-from trace_rl.imports import module_is_missing, not_on_path
+from trace_rl.imports import ImportPathError, import_path
 from trace_rl.models.render import Conversation, Renderer
 from trace_rl.models.runtime import Generation, ModelRuntime
 from trace_rl.options import NoOptions, option_problems
@@ -177,12 +176,7 @@ def validate_args(cls: type[Environment], args: dict[str, Any]) -> BaseModel:
 
 def import_named(path: str, what: str) -> Any:
     """The object a `package.module:name` path names; an EnvError naming `what` when it cannot be imported."""
-    module_name, _, name = path.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), name)
-    except ModuleNotFoundError as exc:
-        if module_is_missing(module_name, exc):
-            raise EnvError(f"{what} {path!r}: {not_on_path(module_name)}") from None
-        raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
-    except Exception as exc:  # noqa: BLE001 - an ImportError, a missing name, or an error the module raised
-        raise EnvError(f"{what} {path!r}: cannot import it ({type(exc).__name__}: {exc})") from None
+        return import_path(path, what)
+    except ImportPathError as exc:
+        raise EnvError(str(exc)) from None

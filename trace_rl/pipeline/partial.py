@@ -113,11 +113,11 @@ def check_partial(config: Config) -> list[str]:
         return []
     key = "async.partial_rollout_tokens"
     problems = []
-    if config.async_.token_age_bound < 1:
-        unset = " (unset: 2 * max_off_policy_steps)" if config.async_.max_token_age is None else ""
-        problems.append(f"{key} continues rollouts under newer weights, but async.max_token_age = 0{unset} would mask "
-                        "every token an earlier step sampled: set async.max_token_age >= 1, how many steps older "
-                        "than the weights its step trains from a trained token may be (trace_rl.pipeline.token_age)")
+    if config.token_age_bound < 1:
+        problems.append(f"{key} continues rollouts under newer weights, but async.max_token_age = 0 would mask every "
+                        "token an earlier step sampled: set async.max_token_age >= 1, how many steps older than the "
+                        "weights its step trains from a trained token may be, or remove it for the default "
+                        "(trace_rl.pipeline.token_age)")
     if config.inference.base_url:
         problems.append(f"inference.base_url: {key} continues rollouts on an in-process sampler only yet (the hf "
                         f"or vllm backend); remove base_url or {key}")
@@ -332,7 +332,7 @@ async def play_partial_rollouts(config: Config, runtimes: Mapping[str, ModelRunt
         summary.envs[name] = summarize(env_rollouts)
         check_error_fraction(config, env_index, name, step, summary.envs[name], env_rollouts)
     if config.async_.stale_tokens == "drop":
-        summary.dropped_for_age = drop_stale(rollouts, step, config.async_.token_age_bound)
+        summary.dropped_for_age = drop_stale(rollouts, step, config.token_age_bound)
     traces = [trace for rollout in rollouts for trace in rollout]
     summary.errors = list(dict.fromkeys(t.error for t in traces if t.error))[:MAX_LISTED_ERRORS]
     return traces, summary

@@ -166,7 +166,7 @@ def aggregate_channels(session: Session, step: int, channel_paths: list[str], ou
     out = out or session.storage
     traces, channels = read_step(session, step, channel_paths, out)
     samples = sum_channels(traces, channels)
-    masked = mask_stale(samples, step, session.config.async_.token_age_bound) \
+    masked = mask_stale(samples, step, session.config.token_age_bound) \
         if session.config.actor == POLICY else 0
     stats = {
         "age_masked_tokens": masked,

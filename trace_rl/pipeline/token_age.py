@@ -7,8 +7,9 @@ Step n trains from the weights of step n - 1, so a token sampled by the weights 
 The schedule of `[async] max_off_policy_steps = k` samples step n with the weights v(n) = max(0, n - 1 - k)
 (trace_rl.pipeline.schedule), so a token sampled at step n has age k at most. A rollout continued across steps
 (`[async] partial_rollout_tokens`) keeps the tokens earlier steps sampled, with older weights. `[async]
-max_token_age = a` bounds those (`AsyncConfig.token_age_bound`, by default 2k: up to k old when sampled, up to k
-steps more until its rollout ended): a token with
+max_token_age = a` bounds those (`Config.token_age_bound`; unset, k + s for rollouts of up to s segments: up to k
+old when sampled, up to s - 1 steps more until its rollout ended, and one step an ended group may wait): a token
+with
 
     age > a,    that is    v < n - 1 - a,
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib
 import ipaddress
 import logging
 import os
@@ -32,6 +31,7 @@ from trace_rl.algorithms.base import Algorithm, AlgorithmError
 from trace_rl.algorithms.registry import ALGORITHMS
 from trace_rl.algorithms.runner import apply_algorithms, load_algorithms
 from trace_rl.data.trace import TraceError
+from trace_rl.imports import ImportPathError, import_path
 from trace_rl.inference.build import build_runtime
 from trace_rl.models.runtime import ModelRuntime, RuntimeConfig
 from trace_rl.remote.wire import (
@@ -159,36 +159,30 @@ def import_allowed(entries: list[str]) -> Allowed:
     classes: set[type] = set()
     paths: set[str] = set()
     for entry in entries:
-        module_name, _, attr = entry.partition(":")
         before = set(ALGORITHMS.values()) | set(ENVIRONMENTS.values())
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise EnvServerError(f"--allow {entry}: cannot import module {module_name!r} ({exc})") from exc
-        if not attr:
+            cls = import_path(entry, "--allow")
+        except ImportPathError as exc:
+            raise EnvServerError(str(exc)) from exc
+        if ":" not in entry:
             added = (set(ALGORITHMS.values()) | set(ENVIRONMENTS.values())) - before
             if not added:
-                raise EnvServerError(f"--allow {entry}: importing it registered no algorithm or env; allow its "
+                raise EnvServerError(f"--allow {entry!r}: importing it registered no algorithm or env; allow its "
                                      "classes one by one with --allow module:Class")
             classes |= added
             continue
-        cls = getattr(module, attr, None)
         if not (isinstance(cls, type) and issubclass(cls, (Algorithm, Environment))):
-            raise EnvServerError(f"--allow {entry}: {module_name!r} has no Algorithm or Environment class "
-                                 f"{attr!r}; name a class defined there, or allow the whole module")
+            raise EnvServerError(f"--allow {entry!r}: not an Algorithm or Environment class; name a class defined "
+                                 "there, or allow the whole module")
         classes.add(cls)
         if issubclass(cls, Algorithm):
             paths.add(entry)
     registered = {id_ for id_, cls in ALGORITHMS.items() if cls in classes and id_ not in builtin_algorithms}
-    unregistered = {path for path in paths if resolve(path) not in ALGORITHMS.values()}  # listed by their path
+    # listed by their path
+    unregistered = {path for path in paths if import_path(path, "--allow") not in ALGORITHMS.values()}
     envs = {id_ for id_, cls in ENVIRONMENTS.items() if cls in classes and id_ not in builtin_envs}
     return Allowed(frozenset(registered | paths | set(builtin_algorithms)),
                    Health(envs=sorted(envs), algorithms=sorted(registered | unregistered)))
-
-
-def resolve(path: str) -> type:
-    module_name, _, attr = path.partition(":")
-    return getattr(sys.modules[module_name], attr)
 
 
 def create_app(allowed: Allowed, limits: Limits = Limits(), tokens: frozenset[str] = frozenset()) -> FastAPI:
