@@ -367,6 +367,13 @@ class TrainerConfig(Strict):
         "auto", description="attention over a packed micro-batch: packed_sdpa (one SDPA per segment), packed_flex "
         "(one FlexAttention call per layer, CUDA only); auto: packed_flex on CUDA, else packed_sdpa "
         "(docs/trainer.md)")
+    output_layer: Literal["chunked", "float32"] = Field(
+        "chunked", description="the scored positions' logprobs: chunked (vocabulary chunks in model.dtype with "
+        "float32 sums and an online logsumexp, no full logits) or float32 (the float32 output layer and "
+        "log-softmax over chunks of positions); the same numbers up to float32 summation order (docs/trainer.md)")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile each decoder block; auto: on CUDA in one process, off on CPU "
+        "(docs/trainer.md)")
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder block's activations in backward instead of keeping them "
         "(less memory, ~1/3 more compute); single process, DDP and FSDP")
