@@ -12,7 +12,7 @@ micro-batches of `--micro-batch-tokens` distinct positions.
 2. Gradients of a small batch: each attention in bfloat16 against a float32 reference
    (`packed_sdpa`, full logits): logprobs max |Δ| and, over all parameters, the cosine and the
    relative norm of the difference.
-3. Timed trainer steps (`--steps` after one warm-up, median): `packed_sdpa`, `packed_flex`,
+3. Timed trainer steps (median of `steps` after two warm-up steps): `packed_sdpa`, `packed_flex`,
    `packed_flex` with its decoder blocks eager (`trainer.compile = false`; on CPU the one compiled
    run), `packed_flex` with the float32 output layer (`trainer.output_layer = "float32"`),
    `packed_flex` with LoRA, `packed_flex` under FSDP2 on one rank; otherwise the defaults (the
@@ -75,6 +75,7 @@ PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH
 # the cosine of a small batch's gradient with the float32 reference's
 ATTENTION_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 MIN_GRADIENT_COSINE = {"float32": 0.9999, "bfloat16": 0.99}
+WARMUP_STEPS = 2
 SHAPES = {  # per mode: workload and timing
     "cuda": {"groups": 8, "prompt_tokens": 512, "completion_tokens": 512, "micro_batch_tokens": 16384, "steps": 3,
              "samples": 32, "sample_tokens": 128},
@@ -226,15 +227,18 @@ def one_rank_group(cuda: bool):
 def profiled_step(trainer: Trainer, step: int, samples, cuda: bool) -> tuple[float, float | None]:
     """One more step under torch.profiler: (host seconds: the torch ops' self CPU time summed, GPU seconds: the
     kernels' time summed; None without CUDA)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         trainer.optimizer_step(step, samples)
         synchronize(trainer.device)
-    events = prof.key_averages()
+    events = prof.events()
     host = sum(event.self_cpu_time_total for event in events) / 1e6
-    return host, sum(event.self_device_time_total for event in events) / 1e6 if cuda else None
+    # the kernels' own events: a CPU op's device time is theirs again
+    kernels = sum(event.self_device_time_total for event in events if event.device_type != DeviceType.CPU)
+    return host, kernels / 1e6 if cuda else None
 
 
 def attention_flops_per_token(model_config, sequence: float) -> float:
@@ -250,20 +254,22 @@ def timed_run(config: Config, samples, steps: int, cuda: bool, flops: float) -> 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     seconds, metrics = [], {}
-    for step in range(steps + 1):  # the first: compilation, allocations, optimizer state
+    # the warm-up: compilation (a compiled block's backward graphs may come in the second step), allocations,
+    # optimizer state
+    for step in range(WARMUP_STEPS + steps):
         synchronize(trainer.device)
         started = time.perf_counter()
         metrics = trainer.optimizer_step(step, samples)
         synchronize(trainer.device)
         seconds.append(time.perf_counter() - started)
-    host_seconds, gpu_seconds = profiled_step(trainer, steps + 1, samples, cuda)
+    host_seconds, gpu_seconds = profiled_step(trainer, WARMUP_STEPS + steps, samples, cuda)
     parameters = sum(p.numel() for p in trainer.module.parameters())
     result = {"attention": trainer.attention, "dtype": str(trainer.dtype).removeprefix("torch."),
               "output_layer": config.trainer.output_layer, "compiled": trainer.compiled,
               "host_seconds": host_seconds, "gpu_seconds": gpu_seconds,
               "parameters": parameters, "tokens": metrics["tokens"], "sample_tokens": metrics["sample_tokens"],
-              "micro_batches": metrics["micro_batches"], "warmup_seconds": seconds[0],
-              "step_seconds": statistics.median(seconds[1:]),
+              "micro_batches": metrics["micro_batches"], "warmup_seconds": sum(seconds[:WARMUP_STEPS]),
+              "step_seconds": statistics.median(seconds[WARMUP_STEPS:]),
               "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "finite": math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])}
     result["tokens_per_s"] = result["tokens"] / result["step_seconds"]
@@ -381,7 +387,7 @@ def report(result: dict) -> str:
         lines.append("")
     if "runs" in result:
         seconds = lambda value: f"{value:.3f}" if value is not None else "-"
-        lines += [f"## Trainer steps (median of {result['steps']} after a warm-up)", "",
+        lines += [f"## Trainer steps (median of {result['steps']} after {WARMUP_STEPS} warm-up steps)", "",
                   "MFU: 6 N tokens/s over the peak; MFU+attn adds prime-rl's attention FLOPs (12 x layers x heads x "
                   "head dim x the packed row length per token). Host s: the torch ops' self CPU time of one more "
                   "step under torch.profiler; GPU s: its kernels' time (the GPU idles for the rest of the step).", "",

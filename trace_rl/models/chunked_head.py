@@ -88,7 +88,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, weight.shape[0], columns):
             z = chunk_logits(left, right, start, columns, temperature, softcap)
             new_m = torch.maximum(m, z.amax(dim=1))
-            e = torch.exp(z - new_m[:, None])
+            e = (z - new_m[:, None]).exp_()
             scale = torch.exp(m - new_m)
             s = s * scale + e.sum(dim=1)
             t = t * scale + torch.linalg.vecdot(e, z)
@@ -113,17 +113,18 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight else None
         g = grad_logprob.float()
         for start in range(0, weight.shape[0], columns):
+            # in place where a tensor is not read again: a CUDA chunk is 2^29 float32 logits, 2 GB each
             logits = chunk_logits(left, right, start, columns, None, None)
             capped = torch.tanh(logits / softcap) * softcap if softcap else logits
-            p = torch.exp(capped / temperature[:, None] - lse[:, None])
-            dz = p * -g[:, None]
-            inside = (targets >= start) & (targets < start + p.shape[1])
-            at = (targets - start).clamp(0, p.shape[1] - 1)
+            z = capped / temperature[:, None] if softcap else capped.div_(temperature[:, None])
+            dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g p
+            inside = (targets >= start) & (targets < start + dz.shape[1])
+            at = (targets - start).clamp(0, dz.shape[1] - 1)
             dz.scatter_add_(1, at[:, None], torch.where(inside, g, 0.0)[:, None])
-            dlogits = dz / temperature[:, None]
+            dz.div_(temperature[:, None])
             if softcap:
-                dlogits = dlogits * (1 - (capped / softcap) ** 2)
-            dlogits = dlogits.to(hidden.dtype)
+                dz.mul_(1 - (capped / softcap) ** 2)
+            dlogits = dz.to(hidden.dtype)
             chunk = weight[start:start + columns]
             if need_hidden:
                 grad_hidden += float32_sums(dlogits, chunk) if has_float32_out_mm(chunk.device.type) \
