@@ -91,8 +91,9 @@ class ModelConfig(Strict):
         "(default 'main'; a commit hash pins it); ignored for 'tiny' and local directories")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="the sampler's weights and the trainer's compute (a copy of its weights in that dtype) and export dtype; "
-        "the trainer's master weights stay float32. auto: bfloat16 when the trainer runs on CUDA or on a CPU with "
-        "AMX or AVX512-BF16, float32 elsewhere (docs/trainer.md)")
+        "the trainer's master weights stay float32. auto, per side: bfloat16 when the trainer runs on CUDA or on a "
+        "CPU with AMX; on AVX512-BF16 without AMX bfloat16 for the trainer, float32 for the samplers; float32 "
+        "elsewhere (docs/trainer.md)")
     stop_tokens: list[str] | None = Field(
         None, min_length=1, description="tokens that end a model turn, the first being the chat template's "
         "end-of-turn token (default: the tokenizer's eos token), e.g. ['<|im_end|>', '<|endoftext|>']")

@@ -321,7 +321,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # float32 master weights whatever model.dtype says: an AdamW update of lr ~1e-5 is below half a
         # bfloat16 ulp of most weights and would round away; model.dtype is the compute and export dtype
-        self.dtype = getattr(torch, resolved_dtype(config.model.dtype, self.device.type == "cuda"))
+        self.dtype = getattr(torch, resolved_dtype(config.model.dtype, self.device.type == "cuda", "trainer"))
         self.attention, why = choose_attention(config.trainer.attention, self.device.type)
         if self.rank == 0:
             logger.info("trainer attention: %s (%s)", self.attention, why)
