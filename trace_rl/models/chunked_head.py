@@ -50,7 +50,8 @@ def vocabulary_chunk(positions: int, vocab_size: int, device_type: str) -> int:
 
 @functools.cache
 def has_float32_out_mm(device_type: str) -> bool:
-    """Whether `torch.mm(half, half, out_dtype=torch.float32)` runs on this device type (CUDA in torch >= 2.9)."""
+    """Whether `torch.mm(half, half, out_dtype=torch.float32)` runs on this device type (CUDA in recent torch; torch
+    2.13 has no CPU kernel for it)."""
     if device_type != "cuda":
         return False
     try:
