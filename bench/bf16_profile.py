@@ -223,19 +223,28 @@ def build_model(args: argparse.Namespace) -> str:
 
 
 def run(model: str, dtype: str, groups: int, prompt_tokens: int, completion_tokens: int, micro_batch_tokens: int,
-        steps: int, profile: bool = False, attention: str = "auto") -> dict:
+        steps: int, profile: bool = False, attention: str = "auto", output_layer: str = "chunked") -> dict:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model))
     samples = grpo_samples(groups, prompt_tokens, completion_tokens, vocab)
-    result = {"dtype": dtype, "threads": torch.get_num_threads()}
+    result = {"dtype": dtype, "threads": torch.get_num_threads(), "output_layer": output_layer}
     with tempfile.TemporaryDirectory(prefix="trace-rl-bf16-profile-") as storage:
+        trainers = {}
         for name in ("float32", dtype):
-            config = trainer_config(model, storage, name, attention, micro_batch_tokens)
-            trainer = Trainer(config, RunStorage.of(config))
-            trainer.optimizer_step(0, samples)  # warm-up: allocations, AdamW state
-            result[f"{name}_step_seconds"] = step_seconds(trainer, 1, steps, samples)
-            print(f"{name} step: {result[f'{name}_step_seconds']:.3f} s ({trainer.attention})", flush=True)
+            config = trainer_config(model, storage, name, attention, micro_batch_tokens, output_layer=output_layer)
+            trainers[name] = Trainer(config, RunStorage.of(config))
+            trainers[name].optimizer_step(0, samples)  # warm-up: allocations, AdamW state
+        # interleaved, a step of each in turn: a load that comes and goes on a shared machine hits both alike
+        seconds = {name: [] for name in trainers}
+        for step in range(1, steps + 1):
+            for name, trainer in trainers.items():
+                seconds[name].append(step_seconds(trainer, step, 1, samples))
+        for name in trainers:
+            result[f"{name}_step_seconds"] = statistics.median(seconds[name])
+            print(f"{name} step: {result[f'{name}_step_seconds']:.3f} s ({trainers[name].attention})", flush=True)
+        del trainers["float32"]
+        trainer = trainers[dtype]
         ops = counted_step(trainer, steps + 1, samples)
         if profile:
             from torch.profiler import ProfilerActivity
@@ -259,7 +268,8 @@ def run(model: str, dtype: str, groups: int, prompt_tokens: int, completion_toke
 def report(result: dict) -> str:
     s, dtype = result["summary"], result["dtype"]
     return "\n".join([
-        f"{result['parameters'] / 1e6:,.1f}M parameters, {dtype}, {result['device']}, {result['threads']} threads; "
+        f"{result['parameters'] / 1e6:,.1f}M parameters, {dtype}, {result['output_layer']} output layer, "
+        f"{result['device']}, {result['threads']} threads; "
         f"one step: {s['micro_batches']} micro-batches, {s['gflop']:.2f} GFLOP, {s['mb']:,.0f} MB touched",
         f"weight casts: {s['weight_casts']} per step ({s['weight_casts_per_micro_batch']:.1f} per micro-batch), "
         f"{s['weight_cast_bytes_share']:.1%} of the bytes; other casts: {s['other_casts']}, "
@@ -285,12 +295,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per dtype, after a warm-up")
     parser.add_argument("--attention", default="auto", help="trainer.attention (the op counter cannot see inside "
                         "packed_flex's FlexAttention call: on CUDA pass packed_sdpa)")
+    parser.add_argument("--output-layer", default="chunked", choices=["chunked", "float32"],
+                        help="trainer.output_layer of both runs")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's self time per op and shape too")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trace-rl-bf16-profile-models"))
     args = parser.parse_args(argv)
     model = args.model or build_model(args)
     result = run(model, args.dtype, args.groups, args.prompt_tokens, args.completion_tokens,
-                 args.micro_batch_tokens, args.steps, args.profile, args.attention)
+                 args.micro_batch_tokens, args.steps, args.profile, args.attention, args.output_layer)
     print(report(result))
     return result
 

@@ -12,13 +12,18 @@ micro-batches of `--micro-batch-tokens` distinct positions.
 2. Gradients of a small batch: each attention in bfloat16 against a float32 reference
    (`packed_sdpa`, full logits): logprobs max |Δ| and, over all parameters, the cosine and the
    relative norm of the difference.
-3. Timed trainer steps (`--steps` after one warm-up, median): `packed_sdpa`, `packed_flex`,
-   `packed_flex` with LoRA, `packed_flex` under FSDP2 on one rank; the output layer chunked
-   (the default). Tokens/s counts the distinct positions the model computes; MFU = 6 N tokens/s /
-   the device's peak bfloat16 FLOP/s (N: parameters, the tied embedding once; attention FLOPs
-   not counted); peak GPU memory per run (torch's allocator).
+3. Timed trainer steps (median of `steps` after two warm-up steps): `packed_sdpa`, `packed_flex`,
+   `packed_flex` with its decoder blocks eager (`trainer.compile = false`; on CPU the one compiled
+   run), `packed_flex` with the float32 output layer (`trainer.output_layer = "float32"`),
+   `packed_flex` with LoRA, `packed_flex` under FSDP2 on one rank; otherwise the defaults (the
+   chunked output layer, compile `auto`). Tokens/s counts the distinct positions the model
+   computes; MFU = 6 N tokens/s / the device's peak bfloat16 FLOP/s (N: parameters, the tied
+   embedding once), and MFU+attn adds prime-rl's attention FLOPs per token (12 x layers x heads x
+   head dim x the packed row length); one more step under torch.profiler gives the host time (the
+   torch ops' self CPU time) against the GPU time (its kernels'); peak GPU memory per run.
 4. The hf sampler in bfloat16 (completions/s, tokens/s) and the sampler-trainer gap: mean and
-   max |Δlogprob| of its sampled tokens against the trainer's (float32 output layers on both).
+   max |Δlogprob| of its sampled tokens against the trainer's, with the chunked and with the
+   float32 output layer (the sampler's is float32).
 
 It needs CUDA, torch, transformers, peft, safetensors and fsspec, plus pydantic (the config), which
 `scripts/gpu_wheels.sh` downloads here into .whl/ and `make gpu-check` installs there first.
@@ -54,6 +59,7 @@ from bench.logprob_gap import sampled_batch
 from bench.trainer import matmul_flops_per_s, synchronize
 from trace_rl.config import Config
 from trace_rl.data.sample import TrainingSample
+from trace_rl.models.chunked_head import has_float32_out_mm
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.packing import collate
 from trace_rl.trainer.prefix_tree import build_tree
@@ -69,6 +75,7 @@ PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH
 # the cosine of a small batch's gradient with the float32 reference's
 ATTENTION_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 MIN_GRADIENT_COSINE = {"float32": 0.9999, "bfloat16": 0.99}
+WARMUP_STEPS = 2
 SHAPES = {  # per mode: workload and timing
     "cuda": {"groups": 8, "prompt_tokens": 512, "completion_tokens": 512, "micro_batch_tokens": 16384, "steps": 3,
              "samples": 32, "sample_tokens": 128},
@@ -107,11 +114,12 @@ def grpo_samples(groups: int, prompt_tokens: int, completion_tokens: int, vocab:
 
 
 def trainer_config(model: str, storage: str, dtype: str, attention: str, micro_batch_tokens: int,
-                   lora: bool = False, fsdp: bool = False) -> Config:
+                   lora: bool = False, fsdp: bool = False, output_layer: str = "chunked",
+                   compile: str | bool = "auto") -> Config:
     return Config(name="gpu-check", storage=storage, env=[{"id": "synthetic"}],
                   model={"name": model, "dtype": dtype, **({"lora": {"rank": 16, "alpha": 32.0}} if lora else {})},
                   trainer={"lr": 1e-6, "micro_batch_tokens": micro_batch_tokens, "attention": attention,
-                           **({"parallel": "fsdp"} if fsdp else {})})
+                           "output_layer": output_layer, "compile": compile, **({"parallel": "fsdp"} if fsdp else {})})
 
 
 # -- 1. attention ------------------------------------------------------------------------------
@@ -163,25 +171,28 @@ def check_attention(device: torch.device, vocab: int) -> list[dict]:
 # -- 2. gradients against float32 ------------------------------------------------------------
 def logprob_gradients(trainer: Trainer, batch, weights: torch.Tensor, chunk_size) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of the batch and the flat gradient of sum(weights * logprobs) over the trainable parameters of the
-    model the trainer computes on (its bfloat16 compute copy in one process)."""
+    model the trainer computes on (its bfloat16 compute copy in one process), with the trainer's output layer."""
     model = trainer.compute_model
     model.zero_grad(set_to_none=True)
     with trainer._autocast():
-        lp, _ = token_logprobs(model, batch, trainer.device, chunk_size)
+        lp, _ = token_logprobs(model, batch, trainer.device, chunk_size, trainer.config.trainer.output_layer)
     (lp * weights).sum().backward()
     grads = [p.grad.double().flatten() for p in model.parameters() if p.grad is not None]
     return lp.detach().float(), torch.cat(grads)
 
 
 def check_gradients(model: str, storage: str, dtype: str, attentions: list[str], vocab: int) -> list[dict]:
-    """Each attention in `dtype` (chunked output layer) against float32 packed_sdpa with full logits."""
+    """Each attention in `dtype` (the chunked output layer, compiled blocks where `auto` compiles them), and the
+    last one with the float32 output layer, against float32 packed_sdpa with full logits, eager."""
     batch = collate(grpo_samples(2, 24, 16, vocab, seed=3), share=True, loss_positions_only=True)
     weights = None
     reference = None
     rows = []
-    for name, run_dtype, attention, chunk in [("float32 reference", "float32", PACKED_ATTENTION, None),
-                                              *((a, dtype, a, "auto") for a in attentions)]:
-        config = trainer_config(model, storage, run_dtype, attention, 4096)
+    for name, run_dtype, attention, chunk, head, compile_ in [
+            ("float32 reference", "float32", PACKED_ATTENTION, None, "float32", False),
+            *((a, dtype, a, "auto", "chunked", "auto") for a in attentions),
+            (f"{attentions[-1]}, float32 head", dtype, attentions[-1], "auto", "float32", "auto")]:
+        config = trainer_config(model, storage, run_dtype, attention, 4096, output_layer=head, compile=compile_)
         trainer = Trainer(config, RunStorage.of(config))
         if weights is None:
             weights = torch.from_numpy(np.random.default_rng(0).normal(size=batch.view_tokens).astype(np.float32))
@@ -213,26 +224,59 @@ def one_rank_group(cuda: bool):
         dist.destroy_process_group()
 
 
+def profiled_step(trainer: Trainer, step: int, samples, cuda: bool) -> tuple[float, float | None]:
+    """One more step under torch.profiler: (host seconds: the torch ops' self CPU time summed, GPU seconds: the
+    kernels' time summed; None without CUDA)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        trainer.optimizer_step(step, samples)
+        synchronize(trainer.device)
+    events = prof.events()
+    host = sum(event.self_cpu_time_total for event in events) / 1e6
+    # the kernels' own events: a CPU op's device time is theirs again
+    kernels = sum(event.self_device_time_total for event in events if event.device_type != DeviceType.CPU)
+    return host, kernels / 1e6 if cuda else None
+
+
+def attention_flops_per_token(model_config, sequence: float) -> float:
+    """prime-rl's attention FLOPs per token: 12 x layers x heads x head dimension x the packed sequence length (no
+    causal discount), beside 6 N."""
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 12 * model_config.num_hidden_layers * heads * head_dim * sequence
+
+
 def timed_run(config: Config, samples, steps: int, cuda: bool, flops: float) -> dict:
     trainer = Trainer(config, RunStorage.of(config))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     seconds, metrics = [], {}
-    for step in range(steps + 1):  # the first: compilation, allocations, optimizer state
+    # the warm-up: compilation (a compiled block's backward graphs may come in the second step), allocations,
+    # optimizer state
+    for step in range(WARMUP_STEPS + steps):
         synchronize(trainer.device)
         started = time.perf_counter()
         metrics = trainer.optimizer_step(step, samples)
         synchronize(trainer.device)
         seconds.append(time.perf_counter() - started)
+    host_seconds, gpu_seconds = profiled_step(trainer, WARMUP_STEPS + steps, samples, cuda)
     parameters = sum(p.numel() for p in trainer.module.parameters())
     result = {"attention": trainer.attention, "dtype": str(trainer.dtype).removeprefix("torch."),
+              "output_layer": config.trainer.output_layer, "compiled": trainer.compiled,
+              "host_seconds": host_seconds, "gpu_seconds": gpu_seconds,
               "parameters": parameters, "tokens": metrics["tokens"], "sample_tokens": metrics["sample_tokens"],
-              "micro_batches": metrics["micro_batches"], "warmup_seconds": seconds[0],
-              "step_seconds": statistics.median(seconds[1:]),
+              "micro_batches": metrics["micro_batches"], "warmup_seconds": sum(seconds[:WARMUP_STEPS]),
+              "step_seconds": statistics.median(seconds[WARMUP_STEPS:]),
               "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "finite": math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])}
     result["tokens_per_s"] = result["tokens"] / result["step_seconds"]
     result["mfu"] = 6 * parameters * result["tokens_per_s"] / flops
+    sequence = metrics["tokens"] / metrics["micro_batches"]
+    result["mfu_attention"] = (6 * parameters + attention_flops_per_token(trainer.module.config, sequence)) \
+        * result["tokens_per_s"] / flops
     return result
 
 
@@ -242,8 +286,14 @@ def timed_runs(model: str, storage: str, dtype: str, cuda: bool, shape: dict, vo
     samples = grpo_samples(shape["groups"], shape["prompt_tokens"], shape["completion_tokens"], vocab)
     tokens = shape["micro_batch_tokens"]
     flex = TREE_ATTENTION if cuda else "auto"  # on CPU auto is packed_sdpa
+    label = TREE_ATTENTION if cuda else PACKED_ATTENTION
+    # compile "auto": on CUDA in one process, off on CPU; the CPU run compiles once so the switch cannot rot
     runs = {"packed_sdpa": (trainer_config(model, storage, dtype, PACKED_ATTENTION, tokens), False),
             **({"packed_flex": (trainer_config(model, storage, dtype, flex, tokens), False)} if cuda else {}),
+            f"{label}, compile {'off' if cuda else 'on'}": (trainer_config(model, storage, dtype, flex, tokens,
+                                                                           compile=not cuda), False),
+            f"{label}, float32 head": (trainer_config(model, storage, dtype, flex, tokens, output_layer="float32"),
+                                       False),
             "LoRA (rank 16)": (trainer_config(model, storage, dtype, flex, tokens, lora=True), False),
             "FSDP2, one rank": (trainer_config(model, storage, dtype, flex, tokens, fsdp=True), True)}
     results = {}
@@ -281,11 +331,14 @@ def check_sampler(model: str, storage: str, dtype: str, attention: str, shape: d
     config = trainer_config(model, storage, dtype, attention, 4096)
     trainer = Trainer(config, RunStorage.of(config))
     batch = sampled_batch(prompts, generations)
-    with torch.no_grad(), trainer._autocast():
-        lp, _ = token_logprobs(trainer.compute_model, batch, trainer.device)
-    gap = np.abs(lp.float().cpu().numpy() - batch.inference_logprobs)[batch.rl_mask]
-    return {"samples": len(prompts), "completion_tokens": completion_tokens, "seconds": seconds,
-            "tokens_per_s": completion_tokens / seconds, "gap_mean": float(gap.mean()), "gap_max": float(gap.max())}
+    result = {"samples": len(prompts), "completion_tokens": completion_tokens, "seconds": seconds,
+              "tokens_per_s": completion_tokens / seconds}
+    for head in ("chunked", "float32"):
+        with torch.no_grad(), trainer._autocast():
+            lp, _ = token_logprobs(trainer.compute_model, batch, trainer.device, output_layer=head)
+        gap = np.abs(lp.float().cpu().numpy() - batch.inference_logprobs)[batch.rl_mask]
+        result[head] = {"gap_mean": float(gap.mean()), "gap_max": float(gap.max())}
+    return result
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -308,7 +361,8 @@ def report(result: dict) -> str:
     shape = result["model_shape"] + (f" ({parameters / 1e6:,.0f}M parameters)" if parameters else "")
     lines = [f"# GPU check: {result['device']}", "",
              f"`{result['command']}`: {shape}, {result['dtype']}, torch {result['torch']}; "
-             f"{result['wall_seconds']:.0f} s in all. Peak FLOP/s: {result['flops_source']}.", ""]
+             f"{result['wall_seconds']:.0f} s in all. Peak FLOP/s: {result['flops_source']}. Chunked output layer's "
+             f"float32 sums: {result['float32_sums']}.", ""]
     if result["failed"]:
         lines += ["**Failed phases:** " + "; ".join(f"{phase}: `{error}`" for phase, error in result["failed"].items()),
                   ""]
@@ -332,23 +386,34 @@ def report(result: dict) -> str:
                          f"{row['grad_relative_norm']:.2e} | {'yes' if row['ok'] else 'NO'} |")
         lines.append("")
     if "runs" in result:
-        lines += [f"## Trainer steps (median of {result['steps']} after a warm-up)", "",
-                  "| run | attention | tokens / step (samples' tokens) | micro-batches | step s | warm-up s | tokens/s | "
-                  "MFU | peak GPU GB |", "|---|---|---|---|---|---|---|---|---|"]
+        seconds = lambda value: f"{value:.3f}" if value is not None else "-"
+        lines += [f"## Trainer steps (median of {result['steps']} after {WARMUP_STEPS} warm-up steps)", "",
+                  "MFU: 6 N tokens/s over the peak; MFU+attn adds prime-rl's attention FLOPs (12 x layers x heads x "
+                  "head dim x the packed row length per token). Host s: the torch ops' self CPU time of one more "
+                  "step under torch.profiler; GPU s: its kernels' time (the GPU idles for the rest of the step).", "",
+                  "| run | attention | head | compiled | tokens / step (samples' tokens) | micro-batches | step s | "
+                  "warm-up s | host s | GPU s | tokens/s | MFU | MFU+attn | peak GPU GB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, run in result["runs"].items():
             if "error" in run:
-                lines.append(f"| {name} | failed: `{run['error']}` |  |  |  |  |  |  |  |")
+                lines.append(f"| {name} | failed: `{run['error']}` |" + "  |" * 12)
                 continue
-            lines.append(f"| {name} | {run['attention']} | {run['tokens']:,.0f} ({run['sample_tokens']:,.0f}) | "
+            compiled = "yes" if run["compiled"] else "no"
+            lines.append(f"| {name} | {run['attention']} | {run['output_layer']} | {compiled} | "
+                         f"{run['tokens']:,.0f} ({run['sample_tokens']:,.0f}) | "
                          f"{run['micro_batches']:.0f} | {run['step_seconds']:.3f} | {run['warmup_seconds']:.1f} | "
-                         f"{run['tokens_per_s']:,.0f} | {run['mfu']:.1%} | {gb(run['peak_gb'])} |")
+                         f"{seconds(run['host_seconds'])} | {seconds(run['gpu_seconds'])} | "
+                         f"{run['tokens_per_s']:,.0f} | {run['mfu']:.1%} | {run['mfu_attention']:.1%} | "
+                         f"{gb(run['peak_gb'])} |")
         lines.append("")
     if "sampler" in result:
         s = result["sampler"]
         lines += ["## The hf sampler", "",
                   f"{s['samples']} completions, {s['completion_tokens']} tokens in {s['seconds']:.1f} s "
-                  f"({s['tokens_per_s']:,.0f} tokens/s); sampler-trainer gap over the sampled tokens: mean "
-                  f"|Δlogprob| {s['gap_mean']:.2e}, max {s['gap_max']:.2e}.", ""]
+                  f"({s['tokens_per_s']:,.0f} tokens/s). Sampler-trainer gap over the sampled tokens (the sampler's "
+                  "float32 output layer against the trainer's): "
+                  + "; ".join(f"{head} head mean |Δlogprob| {s[head]['gap_mean']:.2e}, max {s[head]['gap_max']:.2e}"
+                              for head in ("chunked", "float32")) + ".", ""]
     return "\n".join(lines)
 
 
@@ -388,6 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m bench.gpu_check " + " ".join(argv), "dtype": dtype, "steps": shape["steps"],
         "model_shape": f"{model_config.num_hidden_layers} layers, hidden {model_config.hidden_size}, vocabulary "
                        f"{model_config.vocab_size}", "flops_source": flops_source, "failed": {},
+        "float32_sums": "torch.mm(out_dtype=torch.float32)" if has_float32_out_mm(device.type)
+                        else "float32 GEMMs of the rounded inputs (no half-precision GEMM with float32 output here)",
     }
 
     def record(phase: str, run) -> None:

@@ -12,7 +12,10 @@ them as one packed micro-batch (`token_logprobs`). Reported over the sampled tok
 - bfloat16, bfloat16 head: the output layer in bfloat16 on both sides, its logits rounded to
   bfloat16 (trace-rl before the float32 head; vLLM's default);
 - bfloat16, float32 head: float32 logits from bfloat16 inputs on both sides
-  (`trace_rl.models.float32_head`; vLLM's `head_dtype = float32`).
+  (`trace_rl.models.float32_head`; vLLM's `head_dtype = float32`), the trainer's
+  `output_layer = "float32"`;
+- bfloat16, chunked head: the same sampler, the trainer's `output_layer = "chunked"` (the
+  default: vocabulary chunks with float32 sums, `trace_rl.models.chunked_head`).
 
     python -m bench.logprob_gap --model smollm2-135m --samples 8 --tokens 24   # make bench's run
 """
@@ -36,8 +39,11 @@ from trace_rl.trainer.compute_copy import ComputeCopy
 from trace_rl.trainer.packing import MicroBatch, collate
 from trace_rl.trainer.varlen import PACKED_ATTENTION
 
-SETTINGS = {"float32": ("float32", True), "bfloat16, bfloat16 head": ("bfloat16", False),
-            "bfloat16, float32 head": ("bfloat16", True)}
+# setting -> (model.dtype, the sampler's float32 head, the trainer's output layer: "bfloat16" is the float32 layer's
+# path with its logits rounded to bfloat16)
+SETTINGS = {"float32": ("float32", True, "chunked"), "bfloat16, bfloat16 head": ("bfloat16", False, "bfloat16"),
+            "bfloat16, float32 head": ("bfloat16", True, "float32"),
+            "bfloat16, chunked head": ("bfloat16", True, "chunked")}
 
 
 def half_precision_head(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,17 +75,18 @@ def sampled_batch(prompts: list[list[int]], generations) -> MicroBatch:
     return collate(samples, share=True, loss_positions_only=True)
 
 
-def score(path: str, dtype: torch.dtype, float32_head: bool, prompts, generations) -> np.ndarray:
+def score(path: str, dtype: torch.dtype, output_layer: str, prompts, generations) -> np.ndarray:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
     if dtype != torch.float32:
         model = ComputeCopy(model, dtype).module
     batch = sampled_batch(prompts, generations)
-    head = contextlib.nullcontext() if float32_head else mock.patch.object(
+    head = contextlib.nullcontext() if output_layer != "bfloat16" else mock.patch.object(
         trainer_module, "float32_logits", half_precision_head)
     with torch.no_grad(), head:
-        lp, _ = trainer_module.token_logprobs(model, batch, torch.device("cpu"))
+        lp, _ = trainer_module.token_logprobs(model, batch, torch.device("cpu"),
+                                              output_layer="float32" if output_layer == "bfloat16" else output_layer)
     return (lp.numpy() - batch.inference_logprobs)[batch.rl_mask]
 
 
@@ -89,11 +96,11 @@ def run(model: str = "smollm2-135m", samples: int = 8, tokens: int = 24, prompt_
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, min(vocab, 256), prompt_tokens).tolist() for _ in range(samples)]
     rows = {}
-    for name, (dtype_name, float32_head) in SETTINGS.items():
+    for name, (dtype_name, float32_head, output_layer) in SETTINGS.items():
         dtype = getattr(torch, dtype_name)
         started = time.perf_counter()
         generations = sample(path, dtype, float32_head, prompts, tokens)
-        gap = np.abs(score(path, dtype, float32_head, prompts, generations))
+        gap = np.abs(score(path, dtype, output_layer, prompts, generations))
         rows[name] = {"tokens": int(gap.size), "mean_abs": float(gap.mean()), "max_abs": float(gap.max()),
                       "seconds": time.perf_counter() - started}
     return {"model": model, "vocab": vocab, "samples": samples, "completion_tokens": tokens, "rows": rows}

@@ -91,8 +91,9 @@ class ModelConfig(Strict):
         "(default 'main'; a commit hash pins it); ignored for 'tiny' and local directories")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="the sampler's weights and the trainer's compute (a copy of its weights in that dtype) and export dtype; "
-        "the trainer's master weights stay float32. auto: bfloat16 when the trainer runs on CUDA or on a CPU with "
-        "AMX or AVX512-BF16, float32 elsewhere (docs/trainer.md)")
+        "the trainer's master weights stay float32. auto, per side: bfloat16 when the trainer runs on CUDA or on a "
+        "CPU with AMX; on AVX512-BF16 without AMX bfloat16 for the trainer, float32 for the samplers; float32 "
+        "elsewhere (docs/trainer.md)")
     stop_tokens: list[str] | None = Field(
         None, min_length=1, description="tokens that end a model turn, the first being the chat template's "
         "end-of-turn token (default: the tokenizer's eos token), e.g. ['<|im_end|>', '<|endoftext|>']")
@@ -366,6 +367,13 @@ class TrainerConfig(Strict):
     attention: Literal["auto", "packed_sdpa", "packed_flex"] = Field(
         "auto", description="attention over a packed micro-batch: packed_sdpa (one SDPA per segment), packed_flex "
         "(one FlexAttention call per layer, CUDA only); auto: packed_flex on CUDA, else packed_sdpa "
+        "(docs/trainer.md)")
+    output_layer: Literal["chunked", "float32"] = Field(
+        "chunked", description="the scored positions' logprobs: chunked (vocabulary chunks in model.dtype with "
+        "float32 sums and an online logsumexp, no full logits) or float32 (the float32 output layer and "
+        "log-softmax over chunks of positions); the same numbers up to float32 summation order (docs/trainer.md)")
+    compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile each decoder block; auto: on CUDA in one process, off on CPU "
         "(docs/trainer.md)")
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder block's activations in backward instead of keeping them "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from tests.trainer.test_prefix_tree import branch_of_branch_tree, shared_batch
 from trace_rl.config import Config
@@ -14,7 +15,7 @@ from trace_rl.trainer.attention import choose_attention
 from trace_rl.trainer.packing import collate
 from trace_rl.trainer.prefix_tree import build_tree
 from trace_rl.trainer.trainer import token_logprobs
-from trace_rl.trainer.tree_attention import TREE_ATTENTION, packed_flex_attention, path_tables
+from trace_rl.trainer.tree_attention import TREE_ATTENTION, packed_flex_attention, path_tables, tree_block_mask
 from trace_rl.trainer.varlen import PACKED_ATTENTION, packed_sdpa_attention
 
 # on CPU FlexAttention runs its unfused reference (the compiled kernel is CUDA's): what these tests compare
@@ -65,10 +66,39 @@ def test_the_tiny_model_gives_the_same_logprobs_through_either_attention(tiny_mo
                                                      attn_implementation=attention).eval()
         with torch.no_grad():
             results[attention] = token_logprobs(model, batch, torch.device("cpu"))
+        if attention == TREE_ATTENTION:
+            # one block mask for the micro-batch's layout, read by every layer (the tiny model has 2)
+            assert model.config.num_hidden_layers > 1
+            assert [key[0] for key in batch.layout._cache].count("block_mask") == 1
     (lp_sdpa, entropy_sdpa), (lp_flex, entropy_flex) = results.values()
     assert (lp_sdpa != 0).sum() > 100
     torch.testing.assert_close(lp_flex, lp_sdpa, atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy_flex, entropy_sdpa, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tree", ["branch of a branch", "shared batch", "unshared", "long"])
+def test_the_block_mask_is_create_block_masks(tree):
+    """Built from per-block visibility, the block mask is the one `create_block_mask` evaluates from `sees`: the
+    same partial and full blocks and the same dense mask (a row of 300+ positions spans several blocks)."""
+    if tree == "branch of a branch":
+        tree = branch_of_branch_tree()
+    elif tree == "long":
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(0, 50, 200)
+        tree = build_tree([np.concatenate([prompt, rng.integers(0, 50, n)]) for n in (90, 130, 7)], share=True)
+    else:
+        tree = build_tree([s.input_ids for s in shared_batch()], share=tree == "shared batch")
+    length = len(tree.row_ids)
+    segment, context = (torch.from_numpy(table) for table in path_tables(tree.layout, length))
+
+    def sees(batch, head, q, k):
+        return context[segment[q], k] | ((segment[k] == segment[q]) & (k <= q))
+
+    mine = tree_block_mask(tree.layout, length, torch.device("cpu"))
+    theirs = create_block_mask(sees, None, None, length, length, device="cpu")
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(mine, name), getattr(theirs, name))
+    assert torch.equal(mine.to_dense(), theirs.to_dense())
 
 
 def test_auto_takes_flex_on_cuda_and_per_segment_sdpa_elsewhere():

@@ -264,3 +264,53 @@ def test_a_non_finite_gradient_norm_is_named():
     with pytest.raises(NonFiniteError, match=r"step 3: the 'ce' channel's loss of micro-batch 1 \(of 2 on rank 1\) is "
                                              "inf"):
         check_finite(3, [finite[0], {"rl": 1.0, "ce": float("inf")}], float("nan"), 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_chunked_output_layer_trains_as_the_float32_one(make_config, dtype):
+    """`trainer.output_layer`: the same logits up to float32 summation order, so the same step within rounding."""
+    results = {}
+    for output_layer in ("chunked", "float32"):
+        config = make_config(output_layer=output_layer)
+        config.model.dtype = dtype
+        trainer = Trainer(config, storage_for(config))
+        metrics = trainer.optimizer_step(0, make_batch(10))
+        results[output_layer] = metrics, [p.detach().clone() for p in trainer.module.parameters()]
+    (chunked, chunked_weights), (float32, float32_weights) = results.values()
+    assert chunked["loss"] == pytest.approx(float32["loss"], abs=1e-5)
+    assert chunked["entropy"] == pytest.approx(float32["entropy"], abs=1e-5)
+    # bfloat16: the backward GEMMs in bfloat16, summed in another order
+    assert chunked["grad_norm"] == pytest.approx(float32["grad_norm"], rel=1e-5 if dtype == "float32" else 1e-2)
+    assert max(float((a - b).abs().max()) for a, b in zip(chunked_weights, float32_weights)) < 1e-5 * (
+        1 if dtype == "float32" else 100)
+
+
+def test_compiled_decoder_blocks_train_as_eager_ones(make_config):
+    """`trainer.compile = true` on CPU: each decoder block compiled (inductor), the same step within float32
+    fusion rounding, with no recompilation per micro-batch (the packed attention runs eagerly inside)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # eager FlexAttention in other tests counts graphs too
+    results = {}
+    for compile_ in (False, True):
+        config = make_config(compile=compile_)
+        trainer = Trainer(config, storage_for(config))
+        assert trainer.compiled is compile_
+        metrics = [trainer.optimizer_step(step, make_batch(100 + step)) for step in range(2)]
+        results[compile_] = metrics, [p.detach().clone() for p in trainer.module.parameters()]
+    (eager, eager_weights), (compiled, compiled_weights) = results.values()
+    for a, b in zip(eager, compiled):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["micro_batches"] > 1
+    assert max(float((a - b).abs().max()) for a, b in zip(eager_weights, compiled_weights)) < 1e-4
+    # one graph for every block, micro-batch and step: no frame of the decoder block compiled twice
+    counters = torch._dynamo.utils.counters
+    assert 1 <= counters["stats"]["unique_graphs"] <= 4 and not counters["recompiles"]
+
+
+def test_compile_auto_is_on_for_cuda_in_one_process_only():
+    from trace_rl.trainer.trainer import choose_compile
+
+    assert choose_compile("auto", "cuda", False)[0] is True
+    assert choose_compile("auto", "cpu", False)[0] is False
+    assert choose_compile("auto", "cuda", True)[0] is False
+    assert choose_compile(True, "cpu", False) == (True, "trainer.compile says so")
+    assert choose_compile(False, "cuda", False)[0] is False

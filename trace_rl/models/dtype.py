@@ -1,11 +1,23 @@
-"""`model.dtype = "auto"`: bfloat16 where the hardware computes it, float32 elsewhere.
+"""`model.dtype = "auto"`: per side (the trainer, the samplers), bfloat16 where it is the faster, float32 elsewhere.
 
-bfloat16 pays where the matrix units take it: every CUDA GPU trace-rl targets, and CPUs with
-AMX (`amx_bf16`) or AVX512-BF16 (`avx512_bf16`) in /proc/cpuinfo's flags (on one such Xeon, 2
-cores: a 2048² matmul at 2,005 GFLOP/s in bfloat16 against 278 in float32). A CPU without them
-(AVX2 only) emulates bfloat16 at about 1 GFLOP/s: float32 there. The choice is made from the
-trainer's device, so the trainer, the hf sampler and the in-process vLLM engines on one machine
-all get the same dtype.
+The rules, from measurements:
+
+- CUDA (the trainer's device): bfloat16 on both sides, every GPU trace-rl targets has bfloat16
+  tensor cores.
+- A CPU with AMX (`amx_bf16` in /proc/cpuinfo's flags): bfloat16 on both sides. On a 2-core
+  Xeon a 2048² matmul ran at 2,005 GFLOP/s in bfloat16 against 278 in float32; vLLM sampled 2x
+  faster and the trainer stepped 1.1-1.3x faster (2026-11-26).
+- A CPU with AVX512-BF16 but no AMX (Zen 4/5): bfloat16 for the trainer, float32 for the
+  samplers. On a 2-core Zen 5 (a bfloat16 2048² matmul at 964 GFLOP/s) `configs/math.toml`'s
+  training took 5.7/13.7 s in bfloat16 against 8.4/13.9 s in float32, but vLLM sampled *slower*:
+  4.6-5.0 s against 3.6-3.7 s (issue 53).
+- A CPU without either (AVX2 only, Arm) emulates bfloat16 at about 1 GFLOP/s: float32, bit for
+  bit what `float32` runs.
+
+The sides may differ: the sampler then loads the trainer's exported bfloat16 weights in
+float32 (exactly), and the importance ratio and the mismatch metrics compare the logprobs each
+side computed, as with any sampler-trainer difference. The choice is made from the trainer's
+device and this machine's flags, and logged once per side with its reason.
 """
 
 from __future__ import annotations
@@ -30,22 +42,33 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def choose_dtype(cuda: bool, flags: frozenset[str]) -> tuple[str, str]:
-    """`auto`'s dtype for a trainer on CUDA (`cuda`) or on a CPU with these flags, and why."""
+SIDES = ("trainer", "sampler")
+
+
+def choose_dtype(cuda: bool, flags: frozenset[str], side: str = "trainer") -> tuple[str, str]:
+    """`auto`'s dtype for the `side` ("trainer" or "sampler") of a run whose trainer is on CUDA (`cuda`) or on a CPU
+    with these flags, and why."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     if cuda:
         return "bfloat16", "the trainer runs on CUDA"
     present = [flag for flag in BFLOAT16_CPU_FLAGS if flag in flags]
+    if "amx_bf16" in present:
+        return "bfloat16", f"the CPU computes bfloat16 ({', '.join(present)} in /proc/cpuinfo)"
+    if present and side == "sampler":
+        return "float32", ("the CPU has avx512_bf16 but no amx_bf16: vLLM samples slower in bfloat16 there "
+                           "(issue 53: 4.6-5.0 s against 3.6-3.7 s a step)")
     if present:
         return "bfloat16", f"the CPU computes bfloat16 ({', '.join(present)} in /proc/cpuinfo)"
     return "float32", f"no CUDA, and the CPU has none of {', '.join(BFLOAT16_CPU_FLAGS)} (bfloat16 would be emulated)"
 
 
 @functools.cache
-def resolved_dtype(dtype: str, cuda: bool) -> str:
-    """`dtype` as set, or for `auto` the dtype of `choose_dtype` for a trainer on CUDA (`cuda`) or on this machine's
-    CPU, logged once per process."""
+def resolved_dtype(dtype: str, cuda: bool, side: str = "trainer") -> str:
+    """`dtype` as set, or for `auto` the dtype of `choose_dtype` for the `side` of a run whose trainer is on CUDA
+    (`cuda`) or on this machine's CPU, logged once per process and side."""
     if dtype != "auto":
         return dtype
-    chosen, why = choose_dtype(cuda, cpu_flags())
-    logger.info("model.dtype = 'auto': %s, since %s", chosen, why)
+    chosen, why = choose_dtype(cuda, cpu_flags(), side)
+    logger.info("model.dtype = 'auto' for the %s: %s, since %s", side, chosen, why)
     return chosen

@@ -157,7 +157,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
             key=POLICY,
             name=config.model.name,
             revision=config.model.revision,
-            dtype=resolved_dtype(config.model.dtype, trainer_cuda),
+            dtype=resolved_dtype(config.model.dtype, trainer_cuda, "sampler"),
             base_urls=[inference.base_url] if inference.base_url else [],
             stop_tokens=config.model.stop_tokens,
             lora=config.model.lora,
@@ -169,7 +169,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
         name = f"tiny:{seed}" if model.name == "tiny" else model.name
         urls = [model.base_url] if isinstance(model.base_url, str) else list(model.base_url or [])
         configs[key] = RuntimeConfig(
-            key=key, name=name, revision=model.revision, dtype=resolved_dtype(model.dtype, trainer_cuda),
+            key=key, name=name, revision=model.revision, dtype=resolved_dtype(model.dtype, trainer_cuda, "sampler"),
             tokens=model.tokens, base_urls=urls,
             stop_tokens=model.stop_tokens, base_of=POLICY if is_policy_base(config, model, name) else None,
             **{**engine, "seed": seed, "gpu_memory_utilization": shares.get(key, inference.gpu_memory_utilization)}

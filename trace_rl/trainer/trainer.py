@@ -43,6 +43,7 @@ from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.loss import compute_loss
 from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks, pack
+from trace_rl.models.chunked_head import LOGITS_PER_CHUNK, chunked_logprobs
 from trace_rl.models.dtype import resolved_dtype
 from trace_rl.models.float32_head import compute_dtype, float32_logits
 from trace_rl.trainer.attention import PACKED_ATTENTIONS, choose_attention
@@ -75,16 +76,30 @@ def warmup_factor(warmup_steps: int):
     return lambda index: min(1.0, (index + 1) / warmup_steps) if warmup_steps else 1.0
 
 
-# logits per output-layer chunk by device type; a chunk's backward holds ~4 float32 tensors of that many. 64 MB on a
-# CPU, sized for memory. 2 GB on CUDA: chunks of 110 positions left an H200 waiting on kernel launches
-# (bench/RESULTS-bf16.md, the H200 section).
-LOGITS_PER_CHUNK = {"cpu": 2**24, "cuda": 2**29}
-
-
 def chunk_positions(vocab_size: int, device_type: str = "cpu") -> int:
     """Positions per output-layer chunk on a `device_type` device: `LOGITS_PER_CHUNK[device_type] // vocab_size`
     (110 on a CPU and 3,533 on CUDA at Qwen's 151,936 tokens; other devices take the CPU's)."""
     return max(1, LOGITS_PER_CHUNK.get(device_type, LOGITS_PER_CHUNK["cpu"]) // vocab_size)
+
+
+def choose_compile(setting: str | bool, device_type: str, distributed: bool) -> tuple[bool, str]:
+    """Whether the trainer compiles its decoder blocks for `trainer.compile = setting`, and why."""
+    if setting != "auto":
+        return bool(setting), "trainer.compile says so"
+    if device_type != "cuda":
+        return False, f"auto on {device_type}: compiling the blocks does not pay there"
+    if distributed:
+        return False, "auto with several processes: DDP and FSDP2 run their blocks eagerly unless compile = true"
+    return True, "auto on CUDA: fewer kernel launches per block"
+
+
+def compile_blocks(module: torch.nn.Module) -> None:
+    """`torch.compile` each decoder block of a Hugging Face model in place (its `_no_split_modules` types), dynamic
+    in the row length: every micro-batch has its own."""
+    block_names = set(getattr(module, "_no_split_modules", None) or [])
+    for sub in module.modules():
+        if type(sub).__name__ in block_names:
+            sub.compile(dynamic=True)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -168,7 +183,8 @@ def rows_logprobs(hf_model: torch.nn.Module, hidden: torch.Tensor, rows: torch.T
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, device: torch.device, chunk_size: int | str | None = "auto"
+    model: torch.nn.Module, batch: MicroBatch, device: torch.device, chunk_size: int | str | None = "auto",
+    output_layer: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch, in its samples' view.
 
@@ -178,9 +194,11 @@ def token_logprobs(
     query's values (`view_query`); a token without one (a sample's first, or one no loss reads)
     gets 0.
 
-    The output layer and log-softmax run over `chunk_size` queries at a time (`"auto"`:
-    `chunk_positions(vocabulary, device.type)`) on the body's hidden states, each chunk recomputed in
-    backward instead of kept, so only one chunk's full-vocabulary tensors exist at a time.
+    `output_layer` ([trainer] output_layer): `chunked` runs it over vocabulary chunks in the compute dtype with
+    float32 sums and an online logsumexp (`trace_rl.models.chunked_head`; a head other than a bias-free Linear,
+    an adapted one, takes the float32 head); `float32` runs the float32 head (`float32_logits`) and log-softmax
+    over `chunk_size` queries at a time (`"auto"`: `chunk_positions(vocabulary, device.type)`), each chunk
+    recomputed in backward. Either way only one chunk's full-vocabulary tensors exist at a time.
     `chunk_size=None` takes the model's full logits instead (the same numbers within float
     rounding; for comparison only: it keeps (tokens x vocabulary) float32 tensors for backward).
     """
@@ -188,14 +206,20 @@ def token_logprobs(
     source = torch.from_numpy(batch.query_source).to(device)
     targets = torch.from_numpy(batch.query_target).to(device)
     temperature = torch.from_numpy(batch.query_temperature).to(device)
+    hf_model = unwrapped(model)
+    head = hf_model.get_output_embeddings()
     if chunk_size is None:
         logits = model(**row_call(batch, device)).logits[0]
         lp, entropy = logits_to_logprobs(logits[source], targets, temperature)
+    elif output_layer == "chunked" and type(head) is torch.nn.Linear and head.bias is None:
+        hidden = final_hidden_states(model, batch, device)
+        dtype = compute_dtype(device, head.weight.dtype)
+        lp, entropy = chunked_logprobs(hidden.index_select(0, source).to(dtype), head.weight.to(dtype), targets,
+                                       temperature, getattr(hf_model.config, "final_logit_softcapping", None))
     else:
         hidden = final_hidden_states(model, batch, device)
-        hf_model = unwrapped(model)
         if chunk_size == "auto":
-            chunk_size = chunk_positions(hf_model.get_output_embeddings().weight.shape[0], device.type)
+            chunk_size = chunk_positions(head.weight.shape[0], device.type)
         parts = []
         # a row without queries (a rank without work) still runs one empty chunk: its backward stays in the graph
         for start in range(0, max(len(targets), 1), chunk_size):
@@ -297,7 +321,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # float32 master weights whatever model.dtype says: an AdamW update of lr ~1e-5 is below half a
         # bfloat16 ulp of most weights and would round away; model.dtype is the compute and export dtype
-        self.dtype = getattr(torch, resolved_dtype(config.model.dtype, self.device.type == "cuda"))
+        self.dtype = getattr(torch, resolved_dtype(config.model.dtype, self.device.type == "cuda", "trainer"))
         self.attention, why = choose_attention(config.trainer.attention, self.device.type)
         if self.rank == 0:
             logger.info("trainer attention: %s (%s)", self.attention, why)
@@ -319,10 +343,17 @@ class Trainer:
             # non-reentrant: works under DDP and FSDP2 and with inputs that need no gradient (token ids)
             self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.module.train()
+        self.compiled, why = choose_compile(config.trainer.compile, self.device.type, self.distributed)
+        if self.rank == 0:
+            logger.info("trainer compile: %s (%s)", self.compiled, why)
+        if self.compiled and self.distributed:  # before FSDP2 wraps the blocks, as torchtitan does
+            compile_blocks(self.module)
         self.model = self._parallelize(self.module)
         # FSDP2 computes in the half dtype itself (mixed_precision); DDP syncs the master's gradients: autocast
         self.compute = ComputeCopy(self.module, self.dtype) if self.dtype != torch.float32 and not self.distributed \
             else None
+        if self.compiled and not self.distributed:
+            compile_blocks(unwrapped(self.compute_model))
 
         t = config.trainer
         self.optimizer = torch.optim.AdamW(
@@ -440,7 +471,8 @@ class Trainer:
         for i, batch in enumerate(mine):
             with self._gradient_sync(i == len(mine) - 1):
                 with self._autocast():
-                    lp, entropy = token_logprobs(self.compute_model, batch, self.device, self.logprob_chunk)
+                    lp, entropy = token_logprobs(self.compute_model, batch, self.device, self.logprob_chunk,
+                                                 t.output_layer)
                 on_device = {name: torch.from_numpy(getattr(batch, name)).to(self.device) for name in CHANNEL_FIELDS}
                 loss, metrics = compute_loss(
                     lp, on_device["inference_logprobs"],

@@ -114,4 +114,6 @@ def packed_sdpa_attention(
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+# run eagerly inside a compiled decoder block (`trainer.compile`): traced, the row's Python layout would be a guard
+# and every micro-batch a recompilation
+AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa_attention))
