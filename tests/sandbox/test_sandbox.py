@@ -4,8 +4,10 @@ that died without removing them (SIGKILL) go when the next sandbox starts."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +159,28 @@ def test_a_live_process_is_killed_through_verifiers_interface_without_touching_t
 
     first, code = asyncio.run(play())
     assert first == b"echo\n" and code == -9
+
+
+def test_a_host_path_under_the_hosts_tmp_stays_visible_read_only(tmp_path):
+    """A checkout or venv under the host's /tmp (CI may clone there) is bound into the sandbox's own /tmp, not
+    hidden by it: a program reads it there, cannot write it, and /tmp is otherwise the sandbox's own."""
+    import tempfile
+
+    host = tempfile.mkdtemp(dir="/tmp")
+    Path(host).chmod(0o755)  # the sandbox's uid reads only what the world may read
+    try:
+        (Path(host) / "module.py").write_text("VALUE = 7\n")
+        (Path(tempfile.gettempdir()) / "trace-rl-host-only").write_text("host")
+        sandbox = Sandbox(SandboxConfig(read_only=[host]), "under-tmp", root=tmp_path)
+        sandbox.start()
+        script = (f"import os, sys; sys.path.insert(0, {host!r}); import module; print(module.VALUE); "
+                  f"print(os.path.exists('/tmp/trace-rl-host-only')); "
+                  f"open({host!r} + '/x', 'w')")
+        outcome = asyncio.run(sandbox.run([sys.executable, "-c", script], {}))
+        asyncio.run(sandbox.close())
+        assert outcome.stdout.decode().split() == ["7", "False"], outcome.stderr
+        assert outcome.exit_code != 0 and b"Read-only file system" in outcome.stderr
+        assert sorted(p.name for p in Path(host).iterdir()) == ["module.py"]
+    finally:
+        shutil.rmtree(host)
+        (Path(tempfile.gettempdir()) / "trace-rl-host-only").unlink(missing_ok=True)

@@ -101,6 +101,8 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
             command += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
             command += ["--ro-bind", str(path), str(path)]
+    # /tmp first: a host path bound below it (a checkout, its venv, under the host's /tmp) lands in the sandbox's own
+    command += ["--bind", str(tmp), "/tmp"]
     binds = outermost([*host_roots(), *config.read_only])
     # bwrap makes a bind's missing parents readable by root only; the sandbox's uid must pass through them
     for parent in dict.fromkeys(str(up) for path in [*binds, str(workdir)] for up in reversed(Path(path).parents)
@@ -108,8 +110,7 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
         command += ["--perms", "0755", "--dir", parent]
     for path in binds:
         command += ["--ro-bind", path, path]
-    command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(tmp), "/tmp", "--bind", str(workdir), str(workdir),
-                "--chdir", str(workdir)]
+    command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
     if relayed and routes:
         command += ["--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", RELAY_DIR,
                     "--ro-bind", str(Path(__file__).with_name("forward.py")), f"{RELAY_DIR}/forward.py",
