@@ -140,4 +140,4 @@ def test_records_sampled_behind_their_step_are_not_refused_as_stale(tmp_path):
     plan = check_records_replay(path, [AlgorithmConfig(id="grpo")], str(tmp_path / "out"))
     assert plan.config.async_.max_off_policy_steps == 2  # the oldest token's age: so no token is masked either
     (back,) = plan.records[3]
-    assert not stale(back.branches[0].policy_versions, branch.sampled, 3, plan.config.async_.token_age_bound).any()
+    assert not stale(back.branches[0].policy_versions, branch.sampled, 3, plan.config.token_age_bound).any()
