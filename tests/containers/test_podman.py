@@ -13,11 +13,10 @@ import subprocess
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.envs.conftest import ScriptedRuntime
-from tests.envs.test_verifiers_env import recomputed_logprobs
+from tests.envs.test_verifiers_env import assert_token_exact
 from tests.envs.test_verifiers_tools import ScoredScriptedRuntime
 from trace_rl.envs.base import EnvError
 
@@ -106,12 +105,7 @@ def test_the_bash_harness_calls_tools_in_a_container_token_exactly_and_sees_the_
     assert [entry["data"][0]["max_model_len"] for entry in listed] == [4096]
     assert not [r for r in caplog.records if "models call failed" in r.getMessage()]
     (branch,) = trace.branches
-    for prompt, reply in zip(runtime.prompts, replies):
-        reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
-        assert np.array_equal(branch.token_ids[:len(prompt) + len(reply_ids)], prompt + reply_ids)
-        assert branch.sampled[len(prompt):len(prompt) + len(reply_ids)].all()
-    expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
-    assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
+    assert_token_exact(branch, runtime.prompts, replies, tokenizer, tiny_model_path)
     assert containers() == []
 
 

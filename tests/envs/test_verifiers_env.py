@@ -33,6 +33,17 @@ def recomputed_logprobs(model_path: str, token_ids: np.ndarray, temperature: flo
     return np.concatenate([[0.0], out.numpy()])
 
 
+def assert_token_exact(branch, prompts: list[list[int]], replies: list[str], tokenizer, model_path: str) -> None:
+    """Each prompt is the branch so far and each scripted reply's ids (+ EOS) follow it, sampled, with the
+    logprobs transformers recomputes."""
+    for prompt, reply in zip(prompts, replies):
+        reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert np.array_equal(branch.token_ids[:len(prompt) + len(reply_ids)], prompt + reply_ids)
+        assert branch.sampled[len(prompt):len(prompt) + len(reply_ids)].all()
+    expected = recomputed_logprobs(model_path, branch.token_ids, branch.temperature)[branch.sampled]
+    assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
+
+
 def test_a_single_turn_taskset_trains_two_steps_and_evaluates(prefect_api, tmp_path):
     import pyarrow.parquet as pq
 

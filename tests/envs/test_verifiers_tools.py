@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from tests.envs.conftest import ScriptedRuntime
-from tests.envs.test_verifiers_env import recomputed_logprobs
+from tests.envs.test_verifiers_env import assert_token_exact
 from trace_rl.models.runtime import Generation, RuntimeConfig
 
 TASKSETS = str(Path(__file__).parent / "verifiers_tasksets")
@@ -90,12 +89,7 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(facts_env, tiny_
     assert sum("ignores `tools`" in r.getMessage() for r in caplog.records) <= 1
     # token-exact: one branch; each prompt is the branch so far, the sampled ids are the scripted replies' ids
     (branch,) = trace.branches
-    for prompt, reply in zip(runtime.prompts, replies):
-        reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
-        assert np.array_equal(branch.token_ids[:len(prompt) + len(reply_ids)], prompt + reply_ids)
-        assert branch.sampled[len(prompt):len(prompt) + len(reply_ids)].all()
-    expected = recomputed_logprobs(tiny_model_path, branch.token_ids, branch.temperature)[branch.sampled]
-    assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
+    assert_token_exact(branch, runtime.prompts, replies, tokenizer, tiny_model_path)
     assert int(branch.sampled.sum()) == sum(len(tokenizer.encode(r, add_special_tokens=False)) + 1 for r in replies)
 
 
