@@ -44,8 +44,6 @@ def test_shipped_config_trains_through_every_stage_on_vllm(path, tmp_path, share
         config = load_config(path, [*overrides, "model.name=tiny", "model.dtype=float32"])
     for env in config.env:
         env.batch_size, env.group_size = 2, 2
-    if path.stem == "code":  # its programs run in podman, on the image built here
-        request.getfixturevalue("sandbox_image")
     lora_engine = request.getfixturevalue("vllm_lora_runtime") if config.model.lora is not None else None
     session = Session(config)
     try:

@@ -17,8 +17,9 @@ RUN_TIMEOUT_S = 10
 
 
 def program(reply: str | None) -> str:
-    """The reply's program: its code block's body, or the reply itself."""
-    match = re.search(r"```(?:python|py)?\n(.*?)```", reply or "", re.DOTALL)
+    """The reply's program: its first code block's body (to the reply's end where the block is not closed: a reply
+    cut at the token limit), or the reply itself."""
+    match = re.search(r"```(?:python|py)?\n(.*?)(?:```|$)", reply or "", re.DOTALL)
     return (match.group(1) if match else reply or "").strip()
 
 
