@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,16 @@ def running(pid: int) -> bool:
         return False
 
 
-async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
-    """Relay one connection of a sandbox to the host's 127.0.0.1:`port`."""
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: int | Path) -> None:
+    """Relay one connection to the host's 127.0.0.1:`target` (a port), or to the unix socket `target` (a path)
+    where a sandbox serves a port: only a socket, as a link the sandbox put there could lead anywhere on the host."""
     try:
-        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", port)
+        if isinstance(target, Path):
+            if not stat.S_ISSOCK(os.lstat(target).st_mode):
+                raise OSError(f"{target} is not a socket")
+            upstream_reader, upstream_writer = await asyncio.open_unix_connection(str(target))
+        else:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target)
     except OSError:
         writer.close()
         return
@@ -117,10 +124,13 @@ class Sandbox:
         self.workdir = self.folder / "work"
         self.tmp = self.folder / "tmp"
         self.sockets = self.folder / "sockets"
+        self.served = self.folder / "served"
         self.uid: int | None = None
         self.processes: list[asyncio.subprocess.Process] = []
         self.routes: list[int] | None = None
+        self.serves: list[int] = []
         self.relays: dict[int, asyncio.AbstractServer] = {}
+        self.exposed: dict[int, asyncio.AbstractServer] = {}
 
     def start(self) -> None:
         root = self.folder.parent
@@ -129,11 +139,13 @@ class Sandbox:
         self.folder.mkdir(mode=0o711)
         self.workdir.mkdir(mode=0o700)
         self.sockets.mkdir(mode=0o755)
+        self.served.mkdir(mode=0o700)
         self.tmp.mkdir()
         self.tmp.chmod(0o1777)
         if os.geteuid() == 0:
             self.uid = UIDS.take()
             os.chown(self.workdir, self.uid, self.uid)
+            os.chown(self.served, self.uid, self.uid)
 
     def own(self, path: Path) -> None:
         """Give a file the host wrote into the working folder to the sandbox's uid (it may rewrite it)."""
@@ -142,19 +154,37 @@ class Sandbox:
                 os.chown(path, self.uid, self.uid, follow_symlinks=False)
 
     def argv(self, argv: list[str], env: dict[str, str], server: bool = False) -> list[str]:
-        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, self.routes, self.sockets,
-                          server)
+        serves = self.serves if server else []
+        routes = None if self.routes is None else [port for port in self.routes if port not in serves]
+        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, routes, self.sockets,
+                          server, serves, self.served)
 
     async def allow(self, ports: list[int] | None) -> None:
         """With `network = "routes"`: from now on, programs reach the host's loopback `ports` only (None: the
-        host's network again, for setup). Each port is relayed from a unix socket in `sockets`."""
-        self.routes = None if ports is None else sorted(set(ports))
+        host's network again, for setup), and the ports the sandbox serves (`serve`). Each port is relayed from a
+        unix socket in `sockets`."""
+        self.routes = None if ports is None else sorted({*ports, *self.serves})
         for port in self.routes or []:
             if port not in self.relays:
                 path = self.sockets / str(port)
+                target = self.served / str(port) if port in self.serves else port
                 self.relays[port] = await asyncio.start_unix_server(
-                    lambda reader, writer, port=port: relay(reader, writer, port), path=str(path))
+                    lambda reader, writer, target=target: relay(reader, writer, target), path=str(path))
                 path.chmod(0o666)
+
+    async def serve(self, port: int) -> None:
+        """With `network = "routes"`: the next `server` program listens on `port` of the sandbox's own loopback
+        (a tool server); the programs after it reach it there, and `expose` makes it reachable from the host.
+        The server's own relay takes its connections from the unix socket `served/<port>`."""
+        self.serves = sorted({*self.serves, port})
+        await self.allow(self.routes or [])
+
+    async def expose(self, port: int) -> int:
+        """The host loopback port that reaches the sandbox's served `port` (`serve`)."""
+        if port not in self.exposed:
+            self.exposed[port] = await asyncio.start_server(
+                lambda reader, writer: relay(reader, writer, self.served / str(port)), "127.0.0.1", 0)
+        return self.exposed[port].sockets[0].getsockname()[1]
 
     async def spawn(self, argv: list[str], env: dict[str, str], server: bool = False,
                     **streams) -> asyncio.subprocess.Process:
@@ -254,9 +284,9 @@ class Sandbox:
             await asyncio.sleep(GONE_POLL_S)
 
     async def close(self) -> None:
-        for server in self.relays.values():
+        for server in [*self.relays.values(), *self.exposed.values()]:
             server.close()
-        self.relays = {}
+        self.relays, self.exposed = {}, {}
         for process in self.processes:
             self.kill(process)
         await asyncio.gather(*(self.gone(process) for process in self.processes), return_exceptions=True)
