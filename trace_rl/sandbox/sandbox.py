@@ -104,6 +104,11 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
         writer.close()
 
 
+async def closed_after(process: asyncio.subprocess.Process, listener: asyncio.AbstractServer) -> None:
+    await process.wait()
+    listener.close()
+
+
 def sweep(root: Path) -> None:
     """Remove the sandbox folders of processes that no longer run."""
     if not root.is_dir():
@@ -131,6 +136,8 @@ class Sandbox:
         self.serves: list[int] = []
         self.relays: dict[int, asyncio.AbstractServer] = {}
         self.exposed: dict[int, asyncio.AbstractServer] = {}
+        self.server: asyncio.subprocess.Process | None = None  # the last `server` program spawned
+        self.watches: list[asyncio.Future] = []
 
     def start(self) -> None:
         root = self.folder.parent
@@ -182,8 +189,11 @@ class Sandbox:
     async def expose(self, port: int) -> int:
         """The host loopback port that reaches the sandbox's served `port` (`serve`)."""
         if port not in self.exposed:
-            self.exposed[port] = await asyncio.start_server(
+            listener = await asyncio.start_server(
                 lambda reader, writer: relay(reader, writer, self.served / str(port)), "127.0.0.1", 0)
+            self.exposed[port] = listener
+            if self.server is not None:  # once the server ends, its port refuses connections, as a host server's
+                self.watches.append(asyncio.ensure_future(closed_after(self.server, listener)))
         return self.exposed[port].sockets[0].getsockname()[1]
 
     async def spawn(self, argv: list[str], env: dict[str, str], server: bool = False,
@@ -207,6 +217,8 @@ class Sandbox:
                 os.close(report)
         process.init_pid = json.loads(info)["child-pid"] if info.startswith(b"{") else None
         self.processes.append(process)
+        if server:
+            self.server = process
         return process
 
     async def run(self, argv: list[str], env: dict[str, str], stdin: bytes | None = None) -> Outcome:
@@ -262,7 +274,10 @@ class Sandbox:
         if over:
             note = f"\nsandbox: program killed: {over[0]}\n".encode()
             return Outcome(KILLED, bytes(output["stdout"]), bytes(output["stderr"]) + note, over[0])
-        return Outcome(process.returncode, bytes(output["stdout"]), bytes(output["stderr"]))
+        stderr = bytes(output["stderr"])
+        if process.returncode < 0:  # bwrap itself died by a signal: from outside, its programs cannot reach it
+            stderr += f"\nsandbox: the sandbox was killed from outside (signal {-process.returncode})\n".encode()
+        return Outcome(process.returncode, bytes(output["stdout"]), stderr)
 
     @staticmethod
     def kill(process: asyncio.subprocess.Process) -> None:
@@ -289,8 +304,9 @@ class Sandbox:
         self.relays, self.exposed = {}, {}
         for process in self.processes:
             self.kill(process)
-        await asyncio.gather(*(self.gone(process) for process in self.processes), return_exceptions=True)
-        self.processes = []
+        await asyncio.gather(*(self.gone(process) for process in self.processes), *self.watches,
+                             return_exceptions=True)
+        self.processes, self.watches, self.server = [], [], None
         self.remove()
 
     def remove(self) -> None:

@@ -103,6 +103,8 @@ class ToolServers:
         except TimeoutError:
             return f"error: tool {name} did not answer within {self.timeout:g} s"
         except Exception as exc:  # noqa: BLE001 - a crashed or refusing server is the model's observation
+            while isinstance(exc, ExceptionGroup):  # the transport's task group: what went wrong is inside
+                exc = exc.exceptions[0]
             return f"error: tool {name} failed: {type(exc).__name__}: {exc}"
         text = result_text(result.content)
         return f"error: {text}" if result.is_error and not text.startswith("error") else text
