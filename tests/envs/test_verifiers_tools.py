@@ -83,8 +83,9 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(facts_env, tiny_
     assert results[0] == "a tree with acorns"
     assert results[1].startswith("error: unknown tool 'facts_nope' (the tools are: facts_crash, facts_lookup")
     assert results[2] == "error: tool facts_wait did not answer within 8 s"
-    assert results[3].startswith("error: tool facts_crash failed: RemoteProtocolError")  # its server died answering
-    assert results[4] == "error: tool facts_lookup failed: its server does not accept connections"
+    # its server died answering; then it is gone (refused by the relay to it, or by the relay's listener as it closes)
+    assert results[3].startswith("error: tool facts_crash failed: ") and results[4].startswith("error: tool "
+                                                                                               "facts_lookup failed: ")
     # the template ignores tools: they are in the system turn, said once in the log
     assert '"name": "facts_lookup"' in tokenizer.decode(runtime.prompts[0]) and "<tools>" in tokenizer.decode(
         runtime.prompts[0])
