@@ -5,8 +5,8 @@ A program runs in a bwrap of its own (`trace_rl.sandbox.bwrap`), in the sandbox'
 when the program exits, everything it started dies with it (a daemon cannot outlive it), and when its
 runner kills it (a limit), bwrap and every process in it die (`--die-with-parent`). The folders live in
 `<root>/<pid>-<name>/` (`work/`, `tmp/`, `sockets/`, the host's ends of the relays of a `routes`
-network, and `served/`, the sandbox's ends of the ports it serves); `close()` removes them, and the next sandbox to start removes those of processes that no longer run
-(a run killed by SIGKILL).
+network, and `served/`, the sandbox's ends of the ports it serves); `close()` removes them, and the next
+sandbox to start removes those of processes that no longer run (a run killed by SIGKILL).
 """
 
 from __future__ import annotations
