@@ -5,6 +5,7 @@ by trace-rl's client, token-exact across the tool turns."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from tests.envs.conftest import ScriptedRuntime
 from tests.envs.test_verifiers_env import assert_token_exact
 from trace_rl.models.runtime import Generation, RuntimeConfig
+from trace_rl.sandbox import bwrap_lack
 
 TASKSETS = str(Path(__file__).parent / "verifiers_tasksets")
 
@@ -81,8 +83,9 @@ def test_a_toolset_episode_runs_its_calls_and_stays_token_exact(facts_env, tiny_
     assert results[0] == "a tree with acorns"
     assert results[1].startswith("error: unknown tool 'facts_nope' (the tools are: facts_crash, facts_lookup")
     assert results[2] == "error: tool facts_wait did not answer within 8 s"
-    assert results[3].startswith("error: tool facts_crash failed") and results[4].startswith("error: tool "
-                                                                                             "facts_lookup failed")
+    # its server died answering; then it is gone (refused by the relay to it, or by the relay's listener as it closes)
+    assert results[3].startswith("error: tool facts_crash failed: ") and results[4].startswith("error: tool "
+                                                                                               "facts_lookup failed: ")
     # the template ignores tools: they are in the system turn, said once in the log
     assert '"name": "facts_lookup"' in tokenizer.decode(runtime.prompts[0]) and "<tools>" in tokenizer.decode(
         runtime.prompts[0])
@@ -109,3 +112,34 @@ def test_a_tool_result_longer_than_the_context_is_a_failed_rollout_with_the_samp
     (trace,), _ = asyncio.run(run_rollout(facts_env, example, sampler, max_retries=0, backoff_s=0))
     assert trace.error.startswith("EnvError: verifiers episode of task task1 failed: HarnessError")
     assert "leaves no room under max_model_len 2048" in trace.error and not trace.branches
+
+
+@pytest.mark.skipif(bwrap_lack() is not None, reason=f"the sandbox needs {bwrap_lack()}")
+def test_a_tool_server_reaches_no_loopback_port_unless_its_env_says_so(facts_env, tiny_model_path):
+    """A tool server runs sandboxed with its own network: the harness reaches it, it reaches nothing on the host's
+    loopback (a listener stands for the Prefect API); `[env.args] tools_network = "host"` gives it the host's."""
+    from transformers import AutoTokenizer
+
+    from trace_rl.envs.lookup import load_env
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def reached(env) -> str:
+            runtime = ScriptedRuntime(AutoTokenizer.from_pretrained(tiny_model_path), [
+                f'<tool_call>{{"name": "facts_reach", "arguments": {{"port": {port}}}}}</tool_call>', "done"])
+            runtime.config = RuntimeConfig(key="policy", name="scripted", max_model_len=2048)
+            (trace,) = play(env, runtime, task=0)
+            assert trace.error is None, trace.error
+            return trace.messages[2].content
+
+        assert reached(facts_env) == "no: ConnectionRefusedError"
+        listener.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+        args = {"taskset": {"id": "facts_tools"}, "tools_network": "host",
+                "agent": {"harness": {"id": "trace-rl-chat"}, "runtime": {"type": "subprocess"}}}
+        assert reached(load_env("verifiers", args, [TASKSETS])) == "yes"
+        listener.accept()[0].close()

@@ -17,12 +17,14 @@ pytestmark = pytest.mark.skipif(bwrap_lack() is not None, reason=f"the sandbox n
 TASKSETS = [str(Path(__file__).parent / "tasksets")]
 
 
-def program_env(**seat):
+def program_env(tools_network: str | None = None, **seat):
     from trace_rl.envs.lookup import load_env
 
     args = {"taskset": {"id": "program_tasks"}}
     if seat:
         args["agent"] = seat
+    if tools_network is not None:
+        args["tools_network"] = tools_network
     return load_env("verifiers", args, TASKSETS)
 
 
@@ -74,17 +76,21 @@ def test_the_host_runs_programs_only_when_a_config_says_so_with_one_warning(capl
 
 def test_every_other_subprocess_runtime_of_verifiers_runs_sandboxed_once_a_verifiers_env_loaded():
     """Tool servers verifiers starts on a subprocess runtime of their own, or a seat config verifiers re-read from
-    its fields, run in the sandbox (with the host's network, as a tool server is reached from this process)."""
+    its fields, run in the sandbox, on a network of their own: a tool server listens on a port of the sandbox's
+    own loopback, which verifiers publishes (tests/envs/test_verifiers_tools.py plays one)."""
     from verifiers.v1.runtimes import SubprocessConfig, SubprocessRuntime, make_runtime
 
-    from trace_rl.sandbox.runtime import UNNAMED_SANDBOX, BwrapRuntime, HostConfig
+    from trace_rl.envs.base import EnvError
+    from trace_rl.sandbox.runtime import SERVED_PORT, TOOLS_SANDBOX, BwrapRuntime, HostConfig
 
     program_env()
     plain = make_runtime(SubprocessConfig())
-    assert isinstance(plain, BwrapRuntime) and plain.sandbox.config == UNNAMED_SANDBOX
-    assert UNNAMED_SANDBOX.network == "host"
+    assert isinstance(plain, BwrapRuntime) and plain.sandbox.config == TOOLS_SANDBOX
+    assert TOOLS_SANDBOX.network == "routes" and plain.published_port == SERVED_PORT
     host = make_runtime(HostConfig())
     assert type(host) is SubprocessRuntime
+    with pytest.raises(EnvError, match=r"^env 'verifiers': args.tools_network = 'none': set \"routes\""):
+        program_env(tools_network="none")
 
 
 def test_verifiers_bash_harness_plays_an_episode_in_the_sandbox_reaching_only_its_routes(tiny_model_path):

@@ -38,6 +38,42 @@ def test_a_cancelled_program_is_killed_with_what_it_started(tmp_path):
     assert sandbox.processes == [] and not sandbox.folder.exists()
 
 
+def test_a_program_that_cannot_start_or_whose_sandbox_is_killed_ends_at_once_with_the_reason(tmp_path):
+    """A missing program is exit 127 with prlimit's reason; a sandbox killed from outside mid-program (its bwrap, or
+    the init of its pid namespace: an operator, the OOM killer) ends its run at once, its daemon too."""
+    import os
+    import signal
+    import time
+
+    sandbox = Sandbox(SandboxConfig(), "dies", root=tmp_path)
+    sandbox.start()
+
+    async def killed(pick) -> tuple:
+        run = asyncio.ensure_future(sandbox.run(["sh", "-c", "sleep 600 & sleep 600"], {}))
+        while not sandbox.processes:
+            await asyncio.sleep(0.01)
+        process = sandbox.processes[0]
+        await asyncio.sleep(0.3)
+        os.kill(pick(process), signal.SIGKILL)
+        begun = time.monotonic()
+        outcome = await asyncio.wait_for(run, 10)
+        return outcome, time.monotonic() - begun, process.init_pid
+
+    async def play():
+        missing = await sandbox.run(["no-such-program"], {})
+        outer = await killed(lambda process: process.pid)
+        init = await killed(lambda process: process.init_pid)
+        await sandbox.close()
+        return missing, outer, init
+
+    missing, (outer, outer_s, outer_init), (init, init_s, _) = asyncio.run(play())
+    assert missing.exit_code == 127
+    assert b"failed to execute no-such-program: No such file or directory" in missing.stderr
+    assert outer.exit_code == -9 and outer.stderr.endswith(b"sandbox: the sandbox was killed from outside (signal 9)\n")
+    assert init.exit_code == 137 and init.limit is None  # bwrap reports its init's death as a shell does
+    assert outer_s < 2 and init_s < 2 and not running(outer_init)
+
+
 def test_the_folders_of_a_killed_process_go_when_the_next_sandbox_starts(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = tmp_path / f"{dead.stdout.strip()}-rollout" / "work"

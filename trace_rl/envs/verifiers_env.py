@@ -87,6 +87,10 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
     from trace_rl.verifiers.harness import HARNESS_ID
 
     data = dict(args)
+    tools_network = data.pop("tools_network", "routes")
+    if tools_network not in ("routes", "host"):
+        raise EnvError(f"env 'verifiers': args.tools_network = {tools_network!r}: set \"routes\" (the default: a "
+                       "tool server reaches only its rollout's state channel) or \"host\" (docs/sandbox.md)")
     sandboxes = {}
     taskset = data.get("taskset")
     taskset_id = taskset.get("id") if isinstance(taskset, dict) else None
@@ -119,6 +123,8 @@ def env_config(args: dict[str, Any], runtimes: bool = True):
             data[name] = seat
         config = vf.resolve_env_config(data)
         sandboxed(config, sandboxes)
+        if tools_network == "host":
+            tools_on_host_network(config)
     except EnvError:
         raise
     except ValidationError as exc:
@@ -197,6 +203,29 @@ def sandboxed(config, sandboxes: dict) -> None:
     for name, seat in agent_config_fields(config).items():
         if name in sandboxes:
             seat.runtime = HostConfig() if sandboxes[name] is None else BwrapConfig.of(sandboxes[name])
+
+
+def tools_on_host_network(config) -> None:
+    """Give every toolset of the env config on verifiers' subprocess runtime (a task's or the taskset's) a sandbox
+    with the host's network (`[env.args] tools_network = "host"`)."""
+    from pydantic import BaseModel
+    from verifiers.v1.mcp.toolset import SharedToolsetConfig, ToolsetConfig
+    from verifiers.v1.runtimes.subprocess import SubprocessConfig
+
+    from trace_rl.sandbox import SandboxConfig
+    from trace_rl.sandbox.runtime import BwrapConfig
+
+    def walk(node) -> None:
+        if isinstance(node, ToolsetConfig | SharedToolsetConfig) and type(node.runtime) is SubprocessConfig:
+            node.runtime = BwrapConfig.of(SandboxConfig(network="host"))
+        if isinstance(node, BaseModel):
+            for name in type(node).model_fields:
+                walk(getattr(node, name))
+        elif isinstance(node, list | tuple | dict):
+            for item in node.values() if isinstance(node, dict) else node:
+                walk(item)
+
+    walk(config)
 
 
 def find_uv() -> bool:

@@ -6,7 +6,8 @@ Public surface:
   `runtime = { type = "bwrap", ... }` in a verifiers env's `[env.args]`.
 - `Sandbox(config, name)`: one rollout's sandbox; `start()`, `await run(argv, env)` -> `Outcome` (exit code,
   output, the limit that killed it), `await spawn(...)` for a live process, `await allow(ports)` (the host
-  loopback ports a `routes` network reaches from now on), `await close()`.
+  loopback ports a `routes` network reaches from now on), `await serve(port)` and `await expose(port)` (a port
+  the sandbox serves on its own loopback, and the host loopback port that reaches it), `await close()`.
 - `bwrap_lack()`: what this machine lacks to run a sandbox (None: nothing).
 - `trace_rl.sandbox.runtime` (imports verifiers): `BwrapConfig` (a seat's sandbox, a `SubprocessConfig` to
   verifiers), `HostConfig` (a seat on the host), `BwrapRuntime` (verifiers' runtime on a Sandbox) and `install()`

@@ -83,10 +83,11 @@ def outermost(paths) -> list[str]:
 
 def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, workdir: Path, tmp: Path,
                uid: int | None, routes: list[int] | None = None, sockets: Path | None = None,
-               server: bool = False) -> list[str]:
+               server: bool = False, serves: list[int] = (), served: Path | None = None) -> list[str]:
     """The command that runs `argv` sandboxed, in `workdir` (its HOME too) with `tmp` as /tmp; as `uid` (root
     only: None runs it in a user namespace of the caller's uid). With `network = "routes"`: the host's network
-    while `routes` is None (setup), else the host loopback ports `routes` only, relayed through `sockets`. A
+    while `routes` is None (setup), else the host loopback ports `routes` only, relayed through `sockets`, and
+    the ports `serves` of the sandbox's own loopback taken from unix sockets the relay makes in `served`. A
     `server` (a tool server living as long as its rollout, or its run) has no CPU time limit."""
     command = ["bwrap", "--die-with-parent", "--new-session", "--clearenv",
                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
@@ -111,12 +112,14 @@ def bwrap_argv(argv: list[str], env: dict[str, str], config: SandboxConfig, work
     for path in binds:
         command += ["--ro-bind", path, path]
     command += ["--dev", "/dev", "--proc", "/proc", "--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
-    if relayed and routes:
+    if relayed and (routes or serves):
         command += ["--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", RELAY_DIR,
                     "--ro-bind", str(Path(__file__).with_name("forward.py")), f"{RELAY_DIR}/forward.py",
                     "--ro-bind", str(sockets), f"{RELAY_DIR}/sockets"]
-        argv = [sys.executable, "-I", "-S", f"{RELAY_DIR}/forward.py", f"{RELAY_DIR}/sockets",
-                ",".join(map(str, routes)), "--", *argv]
+        if serves:
+            command += ["--bind", str(served), f"{RELAY_DIR}/served"]
+        argv = [sys.executable, "-I", "-S", f"{RELAY_DIR}/forward.py", RELAY_DIR, ",".join(map(str, routes)),
+                ",".join(map(str, serves)), "--", *argv]
     path = os.pathsep.join([str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     base = {"PATH": path, "HOME": str(workdir), "LANG": LOCALE, "TMPDIR": "/tmp",
             **{name: os.environ[name] for name in PASSED if name in os.environ}}

@@ -10,8 +10,10 @@ whose sandbox settings ride beside its fields, and `install()` makes verifiers b
 Fail-safe: once installed, verifiers builds a BwrapRuntime for every subprocess runtime but a `HostConfig` (a
 seat that said `type = "subprocess"`): a tool server verifiers starts on its own subprocess runtime, or a seat
 config verifiers re-read from its fields (which drops the sandbox settings), runs sandboxed with
-`UNNAMED_SANDBOX`, never on the host. That sandbox has the host's network, as a tool server must be reached by
-a harness in this process.
+`TOOLS_SANDBOX`, never on the host. Its network is a namespace of its own from the start: a tool server listens
+on `SERVED_PORT` of the sandbox's own loopback, which the host reaches through a port of its loopback (`expose`,
+the URL verifiers hands the harness), and reaches only the host URLs verifiers routes through `host_url` (the
+rollout's state channel). A taskset whose tool servers need more says so (`tools_network`, docs/sandbox.md).
 
 The runtime keeps the subprocess runtime's interface: a working folder on the host that verifiers reads and
 writes directly (`write`, `read`), and that the sandbox sees at the same path.
@@ -55,7 +57,8 @@ class HostConfig(SubprocessConfig):
     """verifiers' config of a seat that runs on the host (`runtime = { type = "subprocess" }`, said explicitly)."""
 
 
-UNNAMED_SANDBOX = SandboxConfig(network="host")
+TOOLS_SANDBOX = SandboxConfig(network="routes")
+SERVED_PORT = 8000  # where a tool server listens on its sandbox's own loopback: no host port is taken
 
 
 def text(data: bytes) -> str:
@@ -70,12 +73,34 @@ class BwrapRuntime(SubprocessRuntime):
     def __init__(self, config: SubprocessConfig, name: str | None = None) -> None:
         super().__init__(config, name)
         self._uv_interpreters, self._uv_script_locks = {}, {}  # each sandbox prepares its scripts in its own /tmp
-        self.sandbox = Sandbox(config.sandbox if isinstance(config, BwrapConfig) else UNNAMED_SANDBOX, self.name)
+        self.sandbox = Sandbox(config.sandbox if isinstance(config, BwrapConfig) else TOOLS_SANDBOX, self.name)
+        # not a seat's: a tool server's runtime, whose network is its routes from the start
+        self.serves_tools = not isinstance(config, BwrapConfig) and self.sandbox.config.network == "routes"
+        self.tool_routes: set[int] = set()
 
     async def start(self) -> None:
         await asyncio.to_thread(self.sandbox.start)
         self.workdir = self.sandbox.workdir
         self.info.id = str(self.workdir)
+        if self.serves_tools:
+            await self.sandbox.allow([])
+
+    @property
+    def published_port(self) -> int | None:
+        """A tool server's port: verifiers has it listen there (on the sandbox's own loopback) and `expose` it."""
+        return SERVED_PORT if self.serves_tools else None
+
+    async def expose(self, port: int) -> str:
+        if not self.serves_tools:
+            return await super().expose(port)
+        return f"http://127.0.0.1:{await self.sandbox.expose(port)}"
+
+    def host_url(self, url: str) -> str:
+        """A tool server's runtime is handed the host URLs its server reaches (the rollout's state channel): each
+        becomes a route, at the same URL on the sandbox's own loopback."""
+        if self.serves_tools:
+            self.tool_routes.update(loopback_ports([url]))
+        return url
 
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
         outcome = await self.sandbox.run(argv, self.process_env(env))
@@ -87,6 +112,9 @@ class BwrapRuntime(SubprocessRuntime):
         return SubprocessProcess(process)
 
     async def run_background(self, argv: list[str], env: dict[str, str], log: str) -> None:
+        if self.serves_tools:
+            await self.sandbox.serve(SERVED_PORT)
+            await self.sandbox.allow(sorted(self.tool_routes))
         with self.host_path(log).open("wb") as file:
             await self.sandbox.spawn(argv, self.process_env(env), server=True, stdin=asyncio.subprocess.DEVNULL,
                                      stdout=file, stderr=asyncio.subprocess.STDOUT)

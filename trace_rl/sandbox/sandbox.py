@@ -4,9 +4,9 @@ a limit.
 A program runs in a bwrap of its own (`trace_rl.sandbox.bwrap`), in the sandbox's pid namespace of that run:
 when the program exits, everything it started dies with it (a daemon cannot outlive it), and when its
 runner kills it (a limit), bwrap and every process in it die (`--die-with-parent`). The folders live in
-`<root>/<pid>-<name>/` (`work/`, `tmp/`, and `sockets/`, the host's ends of the relays of a `routes`
-network); `close()` removes them, and the next sandbox to start removes those of processes that no longer run
-(a run killed by SIGKILL).
+`<root>/<pid>-<name>/` (`work/`, `tmp/`, `sockets/`, the host's ends of the relays of a `routes`
+network, and `served/`, the sandbox's ends of the ports it serves); `close()` removes them, and the next
+sandbox to start removes those of processes that no longer run (a run killed by SIGKILL).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,16 @@ def running(pid: int) -> bool:
         return False
 
 
-async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
-    """Relay one connection of a sandbox to the host's 127.0.0.1:`port`."""
+async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: int | Path) -> None:
+    """Relay one connection to the host's 127.0.0.1:`target` (a port), or to the unix socket `target` (a path)
+    where a sandbox serves a port: only a socket, as a link the sandbox put there could lead anywhere on the host."""
     try:
-        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", port)
+        if isinstance(target, Path):
+            if not stat.S_ISSOCK(os.lstat(target).st_mode):
+                raise OSError(f"{target} is not a socket")
+            upstream_reader, upstream_writer = await asyncio.open_unix_connection(str(target))
+        else:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target)
     except OSError:
         writer.close()
         return
@@ -95,6 +102,11 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
         pass
     finally:
         writer.close()
+
+
+async def closed_after(process: asyncio.subprocess.Process, listener: asyncio.AbstractServer) -> None:
+    await process.wait()
+    listener.close()
 
 
 def sweep(root: Path) -> None:
@@ -117,10 +129,15 @@ class Sandbox:
         self.workdir = self.folder / "work"
         self.tmp = self.folder / "tmp"
         self.sockets = self.folder / "sockets"
+        self.served = self.folder / "served"
         self.uid: int | None = None
         self.processes: list[asyncio.subprocess.Process] = []
         self.routes: list[int] | None = None
+        self.serves: list[int] = []
         self.relays: dict[int, asyncio.AbstractServer] = {}
+        self.exposed: dict[int, asyncio.AbstractServer] = {}
+        self.server: asyncio.subprocess.Process | None = None  # the last `server` program spawned
+        self.watches: list[asyncio.Future] = []
 
     def start(self) -> None:
         root = self.folder.parent
@@ -129,11 +146,13 @@ class Sandbox:
         self.folder.mkdir(mode=0o711)
         self.workdir.mkdir(mode=0o700)
         self.sockets.mkdir(mode=0o755)
+        self.served.mkdir(mode=0o700)
         self.tmp.mkdir()
         self.tmp.chmod(0o1777)
         if os.geteuid() == 0:
             self.uid = UIDS.take()
             os.chown(self.workdir, self.uid, self.uid)
+            os.chown(self.served, self.uid, self.uid)
 
     def own(self, path: Path) -> None:
         """Give a file the host wrote into the working folder to the sandbox's uid (it may rewrite it)."""
@@ -142,19 +161,40 @@ class Sandbox:
                 os.chown(path, self.uid, self.uid, follow_symlinks=False)
 
     def argv(self, argv: list[str], env: dict[str, str], server: bool = False) -> list[str]:
-        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, self.routes, self.sockets,
-                          server)
+        serves = self.serves if server else []
+        routes = None if self.routes is None else [port for port in self.routes if port not in serves]
+        return bwrap_argv(argv, env, self.config, self.workdir, self.tmp, self.uid, routes, self.sockets,
+                          server, serves, self.served)
 
     async def allow(self, ports: list[int] | None) -> None:
         """With `network = "routes"`: from now on, programs reach the host's loopback `ports` only (None: the
-        host's network again, for setup). Each port is relayed from a unix socket in `sockets`."""
-        self.routes = None if ports is None else sorted(set(ports))
+        host's network again, for setup), and the ports the sandbox serves (`serve`). Each port is relayed from a
+        unix socket in `sockets`."""
+        self.routes = None if ports is None else sorted({*ports, *self.serves})
         for port in self.routes or []:
             if port not in self.relays:
                 path = self.sockets / str(port)
+                target = self.served / str(port) if port in self.serves else port
                 self.relays[port] = await asyncio.start_unix_server(
-                    lambda reader, writer, port=port: relay(reader, writer, port), path=str(path))
+                    lambda reader, writer, target=target: relay(reader, writer, target), path=str(path))
                 path.chmod(0o666)
+
+    async def serve(self, port: int) -> None:
+        """With `network = "routes"`: the next `server` program listens on `port` of the sandbox's own loopback
+        (a tool server); the programs after it reach it there, and `expose` makes it reachable from the host.
+        The server's own relay takes its connections from the unix socket `served/<port>`."""
+        self.serves = sorted({*self.serves, port})
+        await self.allow(self.routes or [])
+
+    async def expose(self, port: int) -> int:
+        """The host loopback port that reaches the sandbox's served `port` (`serve`)."""
+        if port not in self.exposed:
+            listener = await asyncio.start_server(
+                lambda reader, writer: relay(reader, writer, self.served / str(port)), "127.0.0.1", 0)
+            self.exposed[port] = listener
+            if self.server is not None:  # once the server ends, its port refuses connections, as a host server's
+                self.watches.append(asyncio.ensure_future(closed_after(self.server, listener)))
+        return self.exposed[port].sockets[0].getsockname()[1]
 
     async def spawn(self, argv: list[str], env: dict[str, str], server: bool = False,
                     **streams) -> asyncio.subprocess.Process:
@@ -177,6 +217,8 @@ class Sandbox:
                 os.close(report)
         process.init_pid = json.loads(info)["child-pid"] if info.startswith(b"{") else None
         self.processes.append(process)
+        if server:
+            self.server = process
         return process
 
     async def run(self, argv: list[str], env: dict[str, str], stdin: bytes | None = None) -> Outcome:
@@ -232,7 +274,10 @@ class Sandbox:
         if over:
             note = f"\nsandbox: program killed: {over[0]}\n".encode()
             return Outcome(KILLED, bytes(output["stdout"]), bytes(output["stderr"]) + note, over[0])
-        return Outcome(process.returncode, bytes(output["stdout"]), bytes(output["stderr"]))
+        stderr = bytes(output["stderr"])
+        if process.returncode < 0:  # bwrap itself died by a signal: from outside, its programs cannot reach it
+            stderr += f"\nsandbox: the sandbox was killed from outside (signal {-process.returncode})\n".encode()
+        return Outcome(process.returncode, bytes(output["stdout"]), stderr)
 
     @staticmethod
     def kill(process: asyncio.subprocess.Process) -> None:
@@ -254,13 +299,14 @@ class Sandbox:
             await asyncio.sleep(GONE_POLL_S)
 
     async def close(self) -> None:
-        for server in self.relays.values():
+        for server in [*self.relays.values(), *self.exposed.values()]:
             server.close()
-        self.relays = {}
+        self.relays, self.exposed = {}, {}
         for process in self.processes:
             self.kill(process)
-        await asyncio.gather(*(self.gone(process) for process in self.processes), return_exceptions=True)
-        self.processes = []
+        await asyncio.gather(*(self.gone(process) for process in self.processes), *self.watches,
+                             return_exceptions=True)
+        self.processes, self.watches, self.server = [], [], None
         self.remove()
 
     def remove(self) -> None:

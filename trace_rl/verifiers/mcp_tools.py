@@ -22,13 +22,19 @@ from urllib.parse import urlsplit
 
 @contextlib.asynccontextmanager
 async def mcp_client(url: str, timeout: float):
+    """An MCP client of the server at `url`; everything it does, its closing included, ends `timeout` seconds
+    after it opens (TimeoutError). The deadline is one anyio cancel scope, which cancels the transport's own
+    tasks too, and the HTTP client has no timeout of its own: a second deadline of the same length raced this
+    one, and its ReadTimeout, raised in the transport's task group, came out as an ExceptionGroup."""
+    import anyio
     import httpx2
     from mcp import Client
     from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 
-    async with create_mcp_http_client(timeout=httpx2.Timeout(timeout, connect=5.0)) as http_client, \
-            Client(streamable_http_client(url, http_client=http_client)) as client:
-        yield client
+    with anyio.fail_after(timeout):
+        async with create_mcp_http_client(timeout=httpx2.Timeout(None)) as http_client, \
+                Client(streamable_http_client(url, http_client=http_client)) as client:
+            yield client
 
 
 async def listening(url: str, timeout: float = 5.0) -> bool:
@@ -92,11 +98,13 @@ class ToolServers:
         if not await listening(url):
             return f"error: tool {name} failed: its server does not accept connections"
         try:
-            async with asyncio.timeout(self.timeout), mcp_client(url, self.timeout) as client:
+            async with mcp_client(url, self.timeout) as client:
                 result = await client.call_tool(tool, parsed)
         except TimeoutError:
             return f"error: tool {name} did not answer within {self.timeout:g} s"
         except Exception as exc:  # noqa: BLE001 - a crashed or refusing server is the model's observation
+            while isinstance(exc, ExceptionGroup):  # the transport's task group: what went wrong is inside
+                exc = exc.exceptions[0]
             return f"error: tool {name} failed: {type(exc).__name__}: {exc}"
         text = result_text(result.content)
         return f"error: {text}" if result.is_error and not text.startswith("error") else text

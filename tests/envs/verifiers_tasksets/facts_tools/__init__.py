@@ -1,7 +1,8 @@
 """A verifiers v1 taskset with task-scoped MCP tools (a `vf.Toolset` served by a subprocess verifiers starts per
 rollout): the tests' tool episodes. The task asks for a fact that only the `facts_lookup` tool knows; the reward is
 whether the last reply holds it. `facts_crash` ends its server's process, `facts_wait` sleeps for the seconds it
-is given (the harness's `tool_timeout` cuts it short)."""
+is given (the harness's `tool_timeout` cuts it short), `facts_reach` tells whether the server connects to a
+port of 127.0.0.1."""
 
 import verifiers.v1 as vf
 

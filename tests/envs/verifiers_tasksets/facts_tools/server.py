@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import socket
 
 import verifiers.v1 as vf
 
@@ -21,6 +22,15 @@ class FactsToolset(vf.Toolset[vf.ToolsetConfig]):
     def crash(self) -> str:
         """Ends the server's process."""
         os._exit(3)
+
+    @vf.tool
+    def reach(self, port: int) -> str:
+        """Whether the server connects to 127.0.0.1:`port`."""
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except OSError as exc:
+            return f"no: {type(exc).__name__}"
+        return "yes"
 
     @vf.tool
     async def wait(self, seconds: float) -> str:
