@@ -19,7 +19,7 @@ def test_a_run_on_two_gloo_workers_matches_one_process(prefect_api, tmp_path):
 
     def run(name: str, **trainer):
         config = validate_config(small_config(str(tmp_path), name, steps=3, ckpt={"interval": 2},
-                                              trainer={"lr": 1e-3, "micro_batch_tokens": 512, **trainer}))
+                                              trainer={"lr": 1e-3, "micro_batch_tokens": 1024, **trainer}))
         run_training(config)
         storage = RunStorage(config.storage, config.name)
         return config, load_file(f"{storage.path('weights', '000003')}/model.safetensors")
