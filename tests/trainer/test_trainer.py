@@ -134,8 +134,7 @@ def test_checkpoint_and_weights_on_s3(make_config, s3_server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_processes, parallel, activation_checkpointing, cpu_offload, loss", [
-    (2, "ddp", False, False, SEQUENCE_LOSS), (2, "ddp", True, False, {}), (2, "fsdp", False, False, {}),
-    (2, "fsdp", True, True, {}),
+    (2, "ddp", False, False, SEQUENCE_LOSS), (2, "ddp", True, False, {}), (2, "fsdp", True, True, {}),
 ])
 def test_gloo_workers_match_one_process(make_config, num_processes, parallel, activation_checkpointing, cpu_offload,
                                         loss):
@@ -143,7 +142,7 @@ def test_gloo_workers_match_one_process(make_config, num_processes, parallel, ac
     over ranks), with activation checkpointing, and with FSDP2's CPU offload (shards and AdamW state in CPU memory);
     two FSDP ranks checkpoint their activations and offload in one launch (each launch costs seconds of start-up).
     One offloaded worker: tests/trainer/test_launcher.py::test_an_offloaded_worker_matches_one_process_and_restores_
-    its_checkpoint_bitwise."""
+    its_checkpoint_bitwise; two plain FSDP workers through whole steps: tests/flows/test_trainer_workers.py."""
     single = make_config("single", micro_batch_tokens=48, loss=loss)
     store1 = storage_for(single)
     write_batches(store1, 1)
