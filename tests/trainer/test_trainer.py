@@ -60,9 +60,10 @@ def test_step_without_masked_tokens_leaves_weights_unchanged(make_config):
     assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resume_equals_uninterrupted(make_config, dtype):
-    steps = 4
+def test_a_bfloat16_resume_equals_uninterrupted(make_config):
+    """A bfloat16 run's float32 master weights and extra state restored bitwise (a float32 run resumed bitwise
+    from its newest checkpoint: tests/trainer/test_checkpoint.py)."""
+    steps, dtype = 4, "bfloat16"
     straight = make_config("straight", weight_decay=0.1)
     straight.model.dtype = dtype
     straight.ckpt.keep = steps  # weights/0 stays, to compare with
