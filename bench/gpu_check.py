@@ -118,6 +118,7 @@ def trainer_config(model: str, storage: str, dtype: str, attention: str, micro_b
                    compile: str | bool = "auto") -> Config:
     return Config(name="gpu-check", storage=storage, env=[{"id": "synthetic"}],
                   model={"name": model, "dtype": dtype, **({"lora": {"rank": 16, "alpha": 32.0}} if lora else {})},
+                  inference={"max_model_len": micro_batch_tokens},  # the synthetic samples fit a micro-batch
                   trainer={"lr": 1e-6, "micro_batch_tokens": micro_batch_tokens, "attention": attention,
                            "output_layer": output_layer, "compile": compile, **({"parallel": "fsdp"} if fsdp else {})})
 

@@ -68,7 +68,7 @@ def measure(variant: str, tokens: int, model_dir: str) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="trace-rl-memory-") as tmp:
         config = Config(name="memory", storage=tmp, env=[{"id": "bench"}],
-                        model={"name": model_dir, "dtype": "float32"},
+                        model={"name": model_dir, "dtype": "float32"}, inference={"max_model_len": tokens},
                         trainer={"micro_batch_tokens": tokens, "device": "cpu", "lr": 1e-5})
         trainer = Trainer(config, RunStorage.of(config))
         if variant == "before":

@@ -202,6 +202,24 @@ def shared_vllm(vllm_runtime, tiny_model_path):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted(prefect_api, tmp_path_factory) -> bytes:
+    """The final weights of `tests.flows.conftest.small_config`'s 3-step run that nothing interrupts, trained in this
+    process once: the run a crash or fault test of that config (any name, any storage) ends bitwise equal to."""
+    import tomli_w
+
+    from tests.flows.conftest import small_config
+    from tests.flows.test_crash_resume import train_here
+    from trace_rl.storage import RunStorage
+
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    config = directory / "uninterrupted.toml"
+    config.write_text(tomli_w.dumps(small_config(str(directory / "runs"), "uninterrupted", steps=3)))
+    train_here(config)
+    storage = RunStorage(str(directory / "runs"), "uninterrupted")
+    return storage.read_bytes(storage.path("weights", "000003", "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
 def realistic_model():
     """The realistic fixture model (`trace_rl.models.realistic`), built once into a Hugging Face hub cache under the
     session's cache, with HF_HUB_CACHE pointing there and HF_HUB_OFFLINE=1 for the rest of the session, so

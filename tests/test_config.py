@@ -137,6 +137,18 @@ def test_cpu_offload_needs_fsdp_and_runs_on_workers():
     assert not validate_config(minimal(trainer={"parallel": "fsdp"})).trainer.uses_workers
 
 
+def test_a_micro_batch_shorter_than_the_longest_trace_is_refused_unless_it_truncates():
+    out = _cli("train", str(DEMO), "--dry-run", "--set", "trainer.micro_batch_tokens=512")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr == ("error: trainer.micro_batch_tokens = 512 is below "
+                          "inference.max_model_len = 1024: a trace as long as the engine serves would fail the train "
+                          "stage; raise trainer.micro_batch_tokens to 1024, lower inference.max_model_len to 512, or "
+                          "set trainer.truncate = true to cut it\n")
+    for fix in ({"micro_batch_tokens": 512, "truncate": True}, {"micro_batch_tokens": 1024}):
+        assert validate_config(minimal(trainer=fix)).trainer.micro_batch_tokens == fix["micro_batch_tokens"]
+    assert validate_config(minimal(inference={"max_model_len": 512}, trainer={"micro_batch_tokens": 512}))
+
+
 def test_stop_tokens_must_be_tokens_of_the_model(tiny_model_path):
     [found] = problems(minimal(model={"stop_tokens": ["<|im_end|>", "<|eot_id|>"]}))
     assert found.startswith("model.stop_tokens: '<|eot_id|>' is not a token of tiny's tokenizer")

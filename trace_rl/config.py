@@ -644,6 +644,17 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_micro_batch(self) -> Config:
+        """A trace may be as long as the engines serve; one longer than a micro-batch fails the train stage."""
+        tokens, longest = self.trainer.micro_batch_tokens, self.inference.max_model_len
+        if tokens < longest and not self.trainer.truncate:
+            raise ValueError(
+                f"trainer.micro_batch_tokens = {tokens} is below inference.max_model_len = {longest}: a trace as "
+                f"long as the engine serves would fail the train stage; raise trainer.micro_batch_tokens to "
+                f"{longest}, lower inference.max_model_len to {tokens}, or set trainer.truncate = true to cut it")
+        return self
+
+    @model_validator(mode="after")
     def _check_kl(self) -> Config:
         """The KL penalty's reference must be a token-capable [models.<key>]: it scores the trained tokens."""
         kl = self.trainer.loss.kl

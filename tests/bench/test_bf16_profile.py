@@ -17,7 +17,7 @@ from trace_rl.trainer.trainer import Trainer
 
 def test_a_bfloat16_step_casts_its_weights_once_and_computes_in_bfloat16(tiny_model_path, tmp_path):
     config = Config(name="bf16", storage=str(tmp_path), env=[{"id": "synthetic"}],
-                    model={"name": tiny_model_path, "dtype": "bfloat16"},
+                    model={"name": tiny_model_path, "dtype": "bfloat16"}, inference={"max_model_len": 64},
                     trainer={"micro_batch_tokens": 64, "device": "cpu"})
     trainer = Trainer(config, RunStorage.of(config))
     ops = counted_step(trainer, 0, make_batch(3))

@@ -148,6 +148,30 @@ def test_a_failed_episode_is_a_failed_rollout_with_verifiers_error(tiny_model_pa
             assert trace.error is None and trace.reward == 1.0 and trace.branches[0].sampled.any()
 
 
+def test_an_image_in_a_message_fails_the_rollout_loop_in_one_line(tiny_model_path):
+    """A message the config check did not see (the check reads the task prompts) that carries an image ends the
+    rollout with the refusal itself, a FatalError, which fails the step: not a failed rollout, not retried."""
+    import asyncio
+
+    from trace_rl.config import SamplingConfig
+    from trace_rl.envs.base import Sampler
+    from trace_rl.envs.lookup import load_env
+    from trace_rl.errors import FatalError
+    from trace_rl.inference.build import build_runtime
+    from trace_rl.models.runtime import RuntimeConfig
+    from trace_rl.pipeline.rollouts import run_rollout
+    from trace_rl.verifiers.client import ImagesRefused
+
+    env = load_env("verifiers", {"taskset": {"id": "image_tasks"}}, [str(Path(__file__).parent / "verifiers_tasksets")])
+    runtime = build_runtime(RuntimeConfig(key="policy", name=tiny_model_path, backend="hf"))
+    sampler = Sampler(runtime, SamplingConfig(max_completion_tokens=4), seed=1)
+    with pytest.raises(ImagesRefused) as refused:
+        asyncio.run(run_rollout(env, env.examples(0, 1)[0], sampler, max_retries=3, backoff_s=0))
+    assert isinstance(refused.value, FatalError) and str(refused.value) == (
+        "env 'verifiers': a user message carries an image, and trace-rl trains text-only models (the image would be "
+        "dropped unseen); use a taskset whose messages are text")
+
+
 @pytest.mark.vllm
 def test_a_multi_turn_episode_on_a_vllm_server_matches_recomputed_logprobs(vllm_server, tiny_model_path):
     import asyncio

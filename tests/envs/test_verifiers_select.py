@@ -83,6 +83,10 @@ def test_dry_run_refuses_what_step_1_would_in_one_line(tmp_path):
         tmp_path, env_entry("counting_stream", {"include": {"idx": [-1]}}))
     nothing = env_entry("failing_tasks", {"include": {"idx": ["9:"]}})
     assert "has no tasks that select picks" in problem(tmp_path, nothing)
+    # an infinite taskset whose rows cannot load: its first task is taken, as step 1 takes it
+    assert problem(tmp_path, env_entry("unreachable_stream")) == (
+        "env.0: env 'verifiers': taskset 'unreachable_stream' cannot load its tasks: ConnectionError: cannot reach "
+        "the dataset hub for 'example/unreachable-rows' (offline)")
     assert "env.0: select picks a verifiers taskset's tasks, and env 'reverse-text' is no verifiers env" in problem(
         tmp_path, {"id": "reverse-text", "select": {"limit": 2}})
     # a seat that defaults to verifiers' `null` harness (as kuhn_poker's): the refusal names a fix that works
@@ -104,6 +108,13 @@ def test_dry_run_refuses_what_step_1_would_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2 and done.stderr.startswith("error: env.0: env 'verifiers': select.shuffle: ")
     assert done.stderr.count("\n") == 1, done.stderr
+    # a taskset that shows the model an image (verifiers' vision envs): a text-only model would never see it
+    config.write_text(tomli_w.dumps(small_config(str(tmp_path), "vf-images", env=[env_entry("image_tasks")])))
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(config), "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and done.stderr == (
+        "error: env.0: env 'verifiers': taskset 'image_tasks', task 0: a user message carries an image, and trace-rl "
+        "trains text-only models (the image would be dropped unseen); use a taskset whose messages are text\n")
 
 
 def test_seats_that_default_to_a_harness_play_on_the_chat_harness_and_grpo_baselines_each_seat(hf_runtime):

@@ -17,7 +17,6 @@ import pytest
 import tomli_w
 
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import train_here
 
 STEPS = 3
 
@@ -31,16 +30,6 @@ def write_config(directory: Path, name: str, storage: str, steps: int = STEPS, *
 def model_bytes(storage, step: int = STEPS) -> bytes:
     """The safetensors of the weights a run exported after `step`, read through its storage (any fsspec URL)."""
     return storage.read_bytes(storage.path("weights", f"{step:06d}", "model.safetensors"))
-
-
-@pytest.fixture(scope="session")
-def uninterrupted(prefect_api, tmp_path_factory) -> bytes:
-    """The final weights of a run of the faults suite's config that nothing interrupts."""
-    from trace_rl.storage import RunStorage
-
-    directory = tmp_path_factory.mktemp("uninterrupted")
-    train_here(write_config(directory, "uninterrupted", str(directory / "runs")))
-    return model_bytes(RunStorage(str(directory / "runs"), "uninterrupted"))
 
 
 class DurableMoto:

@@ -10,7 +10,7 @@ def small_config(storage: str, name: str, steps: int = 2, **overrides) -> dict:
         "inference": {"backend": "hf"},
         "sampling": {"max_completion_tokens": 8},
         "env": [{"id": "reverse-text", "batch_size": 2, "group_size": 4}],
-        "trainer": {"lr": 1e-3, "micro_batch_tokens": 512},
+        "trainer": {"lr": 1e-3, "micro_batch_tokens": 1024},  # inference.max_model_len's default
     }
     for key, value in overrides.items():
         data[key] = value

@@ -36,7 +36,6 @@ def write_config(tmp_path: Path, name: str, steps: int = STEPS, completion_token
     data = small_config(str(tmp_path / "runs"), name, steps=steps, inference={"backend": "vllm", **VLLM_ENGINE},
                         sampling={"max_completion_tokens": completion_tokens})
     data["env"] = [{"id": "reverse-text", "batch_size": 4, "group_size": 8}]
-    data["trainer"]["micro_batch_tokens"] = VLLM_ENGINE["max_model_len"]  # room for any branch the engine can make
     path = tmp_path / f"{name}.toml"
     path.write_text(tomli_w.dumps(data))
     return path

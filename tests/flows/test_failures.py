@@ -57,13 +57,14 @@ def test_what_a_run_needs_from_outside_is_checked_before_step_1(prefect_api, s3_
 
 @pytest.mark.slow
 def test_a_failed_step_ends_in_one_line_and_the_run_resumes_once_its_cause_is_fixed(prefect_api, tmp_path):
-    config = write(tmp_path, "too-long", trainer={"lr": 1e-3, "micro_batch_tokens": 12})
+    config = write(tmp_path, "fails", imports=["tests.flows.failing_loss"],
+                   trainer={"lr": 1e-3, "loss": {"policy": "fails"}})
     failed = cli("train", config)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0] == failed.stderr.splitlines()[-1], failed.stderr[-3000:]
-    assert "PackingError" in errors[0] and "more than trainer.micro_batch_tokens = 12" in errors[0]
+    assert "ValueError" in errors[0] and "the loss 'fails' refuses" in errors[0]
     assert f"`trace-rl train {config} --resume`" in errors[0]
 
     verbose = cli("train", config, "--resume", "--verbose")
@@ -71,10 +72,10 @@ def test_a_failed_step_ends_in_one_line_and_the_run_resumes_once_its_cause_is_fi
     resuming = re.compile(r"INFO +\| trace_rl\.runs\.start - resuming \S+ at step 1\b")  # the library's INFO lines
     assert resuming.search(verbose.stderr), verbose.stderr[-3000:]
 
-    resumed = cli("train", config, "--resume", "--set", "trainer.micro_batch_tokens=512")
+    resumed = cli("train", config, "--resume", "--set", "trainer.loss.policy=dppo")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not resuming.search(resumed.stderr)  # not without --verbose
-    assert (tmp_path / "runs" / "too-long" / "weights" / "000002" / "STABLE").exists()
+    assert (tmp_path / "runs" / "fails" / "weights" / "000002" / "STABLE").exists()
 
 
 def test_a_failed_train_says_run_it_again_until_a_step_finished_then_continue_it(tmp_path):

@@ -73,7 +73,7 @@ def kill_alone_and_check_nothing_is_left(pid: int) -> None:
 def test_a_script_calling_the_train_flow_takes_its_engine_and_workers_along_when_killed(prefect_api, tmp_path,
                                                                                       tiny_model_path):
     config = write_config(tmp_path, "called", tiny_model_path, steps=4,
-                          trainer={"lr": 1e-3, "micro_batch_tokens": 512, "num_processes": 2, "device": "cpu"})
+                          trainer={"lr": 1e-3, "micro_batch_tokens": 1024, "num_processes": 2, "device": "cpu"})
     with open(tmp_path / "called.log", "w") as log:
         script = subprocess.Popen([sys.executable, "-c", CALL_THE_FLOW, str(config)], cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)

@@ -81,7 +81,7 @@ def test_the_docs_own_loss_trains_through_the_cli_on_two_ranks(prefect_api, tmp_
     from trace_rl.tables import read_batch
 
     sets = [f"storage={tmp_path}", "steps=1", "inference.backend=hf", "env.0.batch_size=2", "env.0.group_size=4",
-            "trainer.num_processes=2", "trainer.micro_batch_tokens=256"]
+            "trainer.num_processes=2", "trainer.micro_batch_tokens=256", "inference.max_model_len=256"]
     # a process of its own, as a user's: the CLI stops its process's vLLM engines when it ends (the session's too)
     trained_run = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(ROOT / "configs" / "topr.toml"),
                                   *(a for s in sets for a in ("--set", s))], cwd=ROOT, capture_output=True, text=True,

@@ -28,7 +28,7 @@ COMPOSED = {
     # several common bytes end a turn, so rollouts end at different lengths and some stay in flight across steps
     "async": {"max_off_policy_steps": 1, "partial_rollout_tokens": SEGMENT},
     "model": {"name": "tiny", "stop_tokens": ["<|im_end|>", *"etaoinshr"], "lora": {"rank": 4}},
-    "trainer": {"lr": 1e-3, "micro_batch_tokens": 512, "share_prefixes": True},
+    "trainer": {"lr": 1e-3, "micro_batch_tokens": 1024, "share_prefixes": True},
     "sampling": {"max_completion_tokens": 9},
     "env": ENVS,
     "eval": {"k": 2, "num_examples": 2, "envs": [{"id": "reverse-text"}]},

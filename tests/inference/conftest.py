@@ -106,7 +106,7 @@ def lora_run(tiny_model_path, tmp_path_factory) -> RunStorage:
 
     config = Config(name="lora", storage=str(tmp_path_factory.mktemp("lora-runs")), env=[{"id": "synthetic"}],
                     model={"name": tiny_model_path, "lora": {"rank": ADAPTER_RANK}},
-                    trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"},
+                    inference={"max_model_len": 256}, trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"},
                     ckpt={"keep": LORA_STEPS})  # every step's adapter stays: the tests load each of them
     storage = RunStorage(config.storage, config.name)
     trainer = Trainer(config, storage)

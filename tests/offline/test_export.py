@@ -27,7 +27,7 @@ TOKENS = [1, 60, 61, 62, 63, 70, 71, 72, 80, 81]
 
 def trained_run(root, name: str, model: dict, steps: int = 2) -> RunStorage:
     config = Config(name=name, storage=str(root), env=[{"id": "reverse-text"}], model=model,
-                    trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"})
+                    inference={"max_model_len": 256}, trainer={"lr": 2e-2, "micro_batch_tokens": 256, "device": "cpu"})
     storage = RunStorage(config.storage, config.name)
     storage.write_atomic(storage.path("config.toml"), config_to_toml(config).encode())
     record_run_version(storage)

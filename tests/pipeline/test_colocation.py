@@ -83,7 +83,7 @@ def test_a_step_with_the_reference_as_actor_never_builds_nor_reloads_a_policy(ti
     config = validate_config({
         "name": "distill", "steps": 1, "storage": str(tmp_path), "actor": "reference", "algorithms": ["sft"],
         "model": {"name": tiny_model_path}, "models": {"reference": {"name": "tiny:1", "tokens": True}},
-        "inference": {"backend": "hf"}, "sampling": {"max_completion_tokens": 4},
+        "inference": {"backend": "hf", "max_model_len": 512}, "sampling": {"max_completion_tokens": 4},
         "env": [{"id": "reverse-text", "batch_size": 2, "group_size": 2}],
         "trainer": {"device": "cpu", "micro_batch_tokens": 512},
     })

@@ -45,9 +45,9 @@ def make_batch(seed: int, n: int = 8, min_len: int = 6, max_len: int = 40) -> li
 def make_config(tiny_model_path, tmp_path):
     def build(name: str = "run", **trainer) -> Config:
         options = {"lr": 1e-3, "micro_batch_tokens": 64, "device": "cpu", "warmup_steps": 2, **trainer}
-        return Config(
-            name=name, storage=str(tmp_path / "runs"), env=[{"id": "synthetic"}],
-            model={"name": tiny_model_path}, trainer=options,
+        return Config(  # no sample is longer than a micro-batch: synthetic batches (make_batch) are short
+            name=name, storage=str(tmp_path / "runs"), env=[{"id": "synthetic"}], model={"name": tiny_model_path},
+            inference={"max_model_len": options["micro_batch_tokens"]}, trainer=options,
         )
 
     return build

@@ -58,17 +58,6 @@ def test_keep_weights_every_keeps_the_weights_of_every_nth_step_besides_the_last
     assert checkpoint.kept_steps([3, 6], [1, 2, 3, 4, 5, 6, 7], keep=1, weights_every=3) == ({6}, {3, 6, 7})
 
 
-def test_keep_two_leaves_exactly_the_expected_directories(make_config):
-    config = interval_config(make_config, "kept")
-    store = train_steps(config, range(1, STEPS + 1))
-    # checkpoints at 2, 4, 6 (the last step); the last two stay, with the weights of 5, 6 and of checkpoint 4
-    assert store.stable_steps("checkpoints") == [4, 6]
-    assert store.stable_steps("weights") == [4, 5, 6]
-    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path("checkpoints"))) == ["000004", "000006"]
-    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.path("weights"))) == ["000004", "000005", "000006"]
-    assert checkpoint.load_part(store, 6, "extra_state") == {"step": 6}
-
-
 def test_unfinished_directories_are_removed(make_config):
     config = interval_config(make_config, "unfinished")
     store = train_steps(config, range(1, 3))
@@ -78,8 +67,15 @@ def test_unfinished_directories_are_removed(make_config):
     assert store.stable_steps("weights") == [2, 3, 4]
 
 
-def test_resume_from_the_newest_kept_checkpoint_reruns_later_steps_bitwise(make_config):
+def test_keep_two_leaves_exactly_the_expected_directories_and_a_resume_from_the_newest_reruns_bitwise(make_config):
     straight = train_steps(interval_config(make_config, "straight"), range(1, STEPS + 1))
+    # checkpoints at 2, 4, 6 (the last step); the last two stay, with the weights of 5, 6 and of checkpoint 4
+    assert straight.stable_steps("checkpoints") == [4, 6]
+    assert straight.stable_steps("weights") == [4, 5, 6]
+    assert sorted(p.rsplit("/", 1)[-1] for p in straight.fs.ls(straight.path("checkpoints"))) == ["000004", "000006"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in straight.fs.ls(straight.path("weights"))) == [
+        "000004", "000005", "000006"]
+    assert checkpoint.load_part(straight, 6, "extra_state") == {"step": 6}
 
     config = interval_config(make_config, "crashed")
     crashed = train_steps(config, range(1, 6))  # dies during step 6: checkpoints 2 and 4, weights 2, 4 and 5

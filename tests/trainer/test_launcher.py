@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load
 
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.machine import processes
@@ -32,8 +34,11 @@ def weights_bytes(store, step: int) -> bytes:
     return (Path(store.path("weights", f"{step:06d}")) / "model.safetensors").read_bytes()
 
 
-def test_the_same_worker_processes_serve_steps_one_to_three(make_config):
-    config, store = two_ranks(make_config, "persistent", "ddp")
+def test_the_same_workers_serve_steps_one_to_three_and_fresh_ones_resume_bitwise_after_a_sigkill(make_config):
+    """FSDP2 with 2 gloo ranks: one launch serves steps 1 to 3 and stops cleanly; after a rank's SIGKILL in step 3,
+    the resumed workers restore checkpoint 2 (sharding the full state dict) and train step 3 to the same bytes as
+    the workers that never stopped."""
+    config, store = two_ranks(make_config, "straight", "fsdp")
     with TrainerWorkers(config, store) as workers:
         served = []
         for step in (1, 2, 3):
@@ -46,15 +51,6 @@ def test_the_same_worker_processes_serve_steps_one_to_three(make_config):
         launcher = workers.process
     assert launcher.poll() == 0  # a clean stop
     assert not any(processes.stat(pid) for pid in served[0])
-
-
-def test_a_worker_sigkilled_mid_step_fails_the_step_and_fresh_workers_resume_bitwise(make_config):
-    """FSDP2 with 2 gloo ranks: the resumed workers restore checkpoint 2 (sharding the full state dict)
-    and train step 3 to the same bytes as workers that never stopped."""
-    config, store = two_ranks(make_config, "straight", "fsdp")
-    with TrainerWorkers(config, store) as workers:
-        for step in (1, 2, 3):
-            train_one_step(config, store, step, workers)
     expected = weights_bytes(store, 3)
 
     config, store = two_ranks(make_config, "killed", "fsdp")
@@ -100,17 +96,28 @@ def test_fresh_workers_without_a_checkpoint_refuse_a_later_step(make_config):
         assert not store.is_stable(store.path("weights", "000002"))
 
 
-def test_an_offloaded_worker_restores_its_checkpoint_bitwise(make_config):
-    """`trainer.cpu_offload` on one worker: shards and AdamW state restored from checkpoint 1 into CPU memory
-    train step 2 to the same bytes as a worker that kept them."""
+def test_an_offloaded_worker_matches_one_process_and_restores_its_checkpoint_bitwise(make_config):
+    """`trainer.cpu_offload` on one persistent worker: step 1 as one plain process computes it; shards and AdamW
+    state restored from checkpoint 1 into CPU memory train step 2 to the same bytes as a worker that kept them."""
+    single = make_config("single", micro_batch_tokens=48)
+    single_store = storage_for(single)
+    write_batch(single_store, 1, make_batch(101))
+    expected = train_one_step(single, single_store, 1)
     stores = []
     for name in ("kept", "restored"):
         config = make_config(name, micro_batch_tokens=48, parallel="fsdp", cpu_offload=True)
+        assert config.trainer.uses_workers
         store = storage_for(config)
         for step in (1, 2):
             write_batch(store, step, make_batch(100 + step))
         with TrainerWorkers(config, store) as workers:
-            train_one_step(config, store, 1, workers)
+            metrics = train_one_step(config, store, 1, workers)
+            if name == "kept":
+                assert abs(metrics["loss"] - expected["loss"]) <= 1e-6
+                a, b = load(weights_bytes(single_store, 1)), load(weights_bytes(store, 1))
+                assert a.keys() == b.keys()
+                for key in a:
+                    torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
             if name == "restored":
                 workers.stop()
             train_one_step(config, store, 2, workers)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.conftest import make_batch, storage_for
+from tests.trainer.test_loss_steps import SEQUENCE_LOSS
 from trace_rl.tables import write_batch
 from trace_rl.trainer import checkpoint
 from trace_rl.trainer.lifecycle import train_one_step
@@ -59,9 +60,10 @@ def test_step_without_masked_tokens_leaves_weights_unchanged(make_config):
     assert all(torch.equal(before[k], v) for k, v in trainer.module.state_dict().items())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resume_equals_uninterrupted(make_config, dtype):
-    steps = 4
+def test_a_bfloat16_resume_equals_uninterrupted(make_config):
+    """A bfloat16 run's float32 master weights and extra state restored bitwise (a float32 run resumed bitwise
+    from its newest checkpoint: tests/trainer/test_checkpoint.py)."""
+    steps, dtype = 4, "bfloat16"
     straight = make_config("straight", weight_decay=0.1)
     straight.model.dtype = dtype
     straight.ckpt.keep = steps  # weights/0 stays, to compare with
@@ -132,19 +134,22 @@ def test_checkpoint_and_weights_on_s3(make_config, s3_server):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_processes, parallel, activation_checkpointing, cpu_offload", [
-    (2, "ddp", False, False), (2, "ddp", True, False), (2, "fsdp", False, False), (2, "fsdp", True, False),
-    (2, "fsdp", False, True), (1, "fsdp", False, True),
+@pytest.mark.parametrize("num_processes, parallel, activation_checkpointing, cpu_offload, loss", [
+    (2, "ddp", False, False, SEQUENCE_LOSS), (2, "ddp", True, False, {}), (2, "fsdp", True, True, {}),
 ])
-def test_gloo_workers_match_one_process(make_config, num_processes, parallel, activation_checkpointing, cpu_offload):
-    """The same step as one plain process: on two ranks, with activation checkpointing, and with FSDP2's CPU
-    offload (shards and AdamW state in CPU memory), also as one persistent worker."""
-    single = make_config("single", micro_batch_tokens=48)
+def test_gloo_workers_match_one_process(make_config, num_processes, parallel, activation_checkpointing, cpu_offload,
+                                        loss):
+    """The same step as one plain process: on two ranks, with a sequence aggregation (a sequence's tokens split
+    over ranks), with activation checkpointing, and with FSDP2's CPU offload (shards and AdamW state in CPU memory);
+    two FSDP ranks checkpoint their activations and offload in one launch (each launch costs seconds of start-up).
+    One offloaded worker: tests/trainer/test_launcher.py::test_an_offloaded_worker_matches_one_process_and_restores_
+    its_checkpoint_bitwise; two plain FSDP workers through whole steps: tests/flows/test_trainer_workers.py."""
+    single = make_config("single", micro_batch_tokens=48, loss=loss)
     store1 = storage_for(single)
     write_batches(store1, 1)
     expected = train_one_step(single, store1, 0)
 
-    double = make_config(f"workers-{parallel}", micro_batch_tokens=48, num_processes=num_processes,
+    double = make_config(f"workers-{parallel}", micro_batch_tokens=48, num_processes=num_processes, loss=loss,
                          parallel=parallel, activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
     assert double.trainer.uses_workers
     store2 = storage_for(double)
@@ -152,6 +157,8 @@ def test_gloo_workers_match_one_process(make_config, num_processes, parallel, ac
     metrics = train_one_step(double, store2, 0)
     assert metrics["tokens"] == sum(b.num_tokens for b in pack(make_batch(100), 48, share_prefixes=True))
     assert abs(metrics["loss"] - expected["loss"]) <= 1e-6
+    for name in ("grad_norm", "mismatch/token_ratio_min", "mismatch/seq_ratio_max", "clipped_fraction"):
+        assert metrics[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
 
     a, b = exported(store1, 0), exported(store2, 0)
     initial = load_file(f"{single.model.name}/model.safetensors")

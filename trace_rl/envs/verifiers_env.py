@@ -454,14 +454,20 @@ class VerifiersEnv(Environment):
     def selection_problems(cls, args: dict[str, Any], select: dict[str, Any] | None) -> list[str]:
         """What step 1 would refuse, found by loading the env as a step does: verifiers' refusal of `[env.args]`
         or `select`, a runtime this machine lacks, a harness that cannot run the taskset's tools, a selection
-        that verifiers cannot make (a shuffle of an unbounded taskset) or that picks no task."""
+        that verifiers cannot make (a shuffle of an unbounded taskset) or that picks no task, tasks that cannot
+        load (of a stream: its first), and a task whose prompt shows the model an image."""
+        from trace_rl.verifiers.client import images_problem
+
         try:
             env = cls(args, select)
             env.check_loaded()
-            if env.bounded:
-                env.tasks  # noqa: B018 - refuses a selection of no task
+            tasks = env.tasks if env.bounded else env.taken(0, 1)
         except EnvError as exc:
             return [str(exc)]
+        for index, task in enumerate(tasks):
+            problem = images_problem(task.data.prompt if isinstance(task.data.prompt, list) else ())
+            if problem is not None:
+                return [f"env 'verifiers': taskset {env.config.taskset.id!r}, task {index}: {problem}"]
         return []
 
     def check_loaded(self) -> None:
@@ -512,11 +518,22 @@ class VerifiersEnv(Environment):
         """Whether the selected tasks end (else they are a stream)."""
         return self.view().bounded
 
+    def taken(self, start: int, stop: int | None) -> list:
+        """The selected tasks at positions start ... stop - 1 (None: to the end); an EnvError with the taskset's
+        own error when its tasks cannot load (a dataset that is not there)."""
+        try:
+            return list(itertools.islice(self.view(), start, stop))
+        except EnvError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the taskset's own loader failed
+            raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} cannot load its tasks: "
+                           f"{type(exc).__name__}: {first_line(exc)}") from None
+
     @property
     def tasks(self) -> list:
         """Every selected task, of a bounded selection."""
         if self._tasks is None:
-            self._tasks = list(self.view())
+            self._tasks = self.taken(0, None)
             if not self._tasks:
                 raise EnvError(f"env 'verifiers': taskset {self.config.taskset.id!r} has no tasks"
                                + (" that select picks" if self.select is not None else ""))
@@ -524,7 +541,7 @@ class VerifiersEnv(Environment):
 
     def streamed(self, start: int, count: int) -> list[Example]:
         """The stream's tasks at positions start ... start + count - 1, as examples `task<position>`."""
-        tasks = list(itertools.islice(self.view(), start, start + count))
+        tasks = self.taken(start, start + count)
         if len(tasks) < count:
             raise EnvError(f"env 'verifiers': the stream of taskset {self.config.taskset.id!r} ended at position "
                            f"{start + len(tasks)}; it is not infinite: bound it with select.limit")

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from trace_rl.data.trace import Message, ToolCall
+from trace_rl.errors import FatalError
 from trace_rl.models.render import Rendered, Renderer
 from trace_rl.models.runtime import Generation
 from trace_rl.models.tool_calls import parse_tool_calls
@@ -43,13 +44,14 @@ SAMPLER_URL = "http://trace-rl.sampler.invalid/v1"  # never called: the sampler 
 
 class TurnSampler(Protocol):
     """What a rollout's verifiers turns sample with (the env builds it on `trace_rl.envs.base.Sampler`): the
-    model's tokenizer, end-of-turn token, id and context length, and `generate` of one turn of the
-    `conversation`-th trace that asks (each conversation and turn its own seed)."""
+    model's tokenizer, end-of-turn token, id and context length, the rollout's first error, and `generate` of one
+    turn of the `conversation`-th trace that asks (each conversation and turn its own seed)."""
 
     tokenizer: Any
     end_of_turn: str | None
     model: str
     max_model_len: int
+    error: BaseException | None  # the rollout's first error, which it raises as itself once the episode ended
 
     async def generate(self, prompt_ids: list[int], *, conversation: int, turn: int) -> Generation: ...
 
@@ -111,10 +113,31 @@ def install() -> None:
     server.InterceptionServer.handle_models = handle_models
 
 
+class ImagesRefused(FatalError):
+    """A message of the episode carries an image: trace-rl's models read text only, and verifiers' `content_text`
+    would drop the image without a word (a vision env would score replies to an image the model never saw)."""
+
+
+def images_problem(messages: Any) -> str | None:
+    """Why a text-only model cannot take these verifiers messages (one carries an image), or None."""
+    from verifiers.v1.types import ImageUrlContentPart
+
+    for message in messages or ():
+        content = getattr(message, "content", None)
+        if isinstance(content, list) and any(isinstance(part, ImageUrlContentPart) for part in content):
+            return (f"a {message.role} message carries an image, and trace-rl trains text-only models (the image "
+                    "would be dropped unseen); use a taskset whose messages are text")
+    return None
+
+
 def to_message(message: Any) -> Message:
-    """A verifiers message as trace-rl's (text content; tool calls with their JSON arguments parsed)."""
+    """A verifiers message as trace-rl's (text content; tool calls with their JSON arguments parsed); an image is
+    refused (`ImagesRefused`)."""
     from verifiers.v1.types import content_text
 
+    problem = images_problem([message])
+    if problem is not None:
+        raise ImagesRefused(f"env 'verifiers': {problem}")
     calls = None
     if getattr(message, "tool_calls", None):
         calls = [ToolCall(id=c.id, name=c.name, arguments=call_arguments(c.arguments or "{}"))
@@ -178,7 +201,11 @@ class SamplerClient:
             raise RuntimeError("verifiers sent a turn without its graph prefix; trace-rl needs verifiers 0.4.0")
         sampler = self.sampler
         renderer = self.renderer([tool_to_wire(tool) for tool in turn.tools] or None)
-        messages = [to_message(m) for m in turn.prompt]
+        try:
+            messages = [to_message(m) for m in turn.prompt]
+        except ImagesRefused as exc:  # fails the run, not just this episode: every episode would drop its images
+            sampler.error = sampler.error or exc
+            raise
         prompt_ids, spans, is_content, bridged = self.prompt(renderer, turn, messages)
         counts = self.turns.setdefault(session_id or "", [len(self.turns), 0])
         conversation, turns = counts
