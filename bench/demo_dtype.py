@@ -58,7 +58,18 @@ def stepper(config, timers):
                 "trainer": timed.get("trainer/compute", 0.0), "train_stage": timed.get("train", 0.0),
                 "metrics": result["train"]["metrics"], "load": os.getloadavg()[0]}
 
-    return step_once, session
+    return step_once
+
+
+def demo_model(config):
+    """The demo's model with no weights (meta tensors): its shapes and parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trace_rl.models.hub import resolve_model_path
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(config.model.name)))
 
 
 def trainer_flops(model, metrics: dict) -> float:
@@ -87,15 +98,17 @@ def run(steps: int) -> dict:
     cpu = torch.device("cpu")
     rates = [matmul_flops_per_s(cpu, torch.bfloat16)]
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-demo-dtype-") as home, pipeline_timers() as timers:
-        steppers = {dtype: stepper(demo_config(os.path.join(home, "runs"), dtype, steps), timers)
-                    for dtype in DTYPES}
+        configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps) for dtype in DTYPES}
+        model = demo_model(configs["float32"])
+        steppers = {dtype: stepper(configs[dtype], timers) for dtype in DTYPES}
         rows: dict[str, list[dict]] = {dtype: [] for dtype in DTYPES}
         for step in range(1, steps + 1):
             for dtype in (DTYPES if step % 2 else DTYPES[::-1]):
-                rows[dtype].append(steppers[dtype][0](step))
-                print(json.dumps({"dtype": dtype, **{k: v for k, v in rows[dtype][-1].items() if k != "metrics"}}),
+                rows[dtype].append(steppers[dtype](step))
+                row = rows[dtype][-1]
+                print(json.dumps({"dtype": dtype, **{k: v for k, v in row.items() if k != "metrics"},
+                                  **{k: row["metrics"][k] for k in ("tokens", "output_positions")}}),
                       flush=True)
-        model = steppers["float32"][1].trainer.model
         rates.append(matmul_flops_per_s(cpu, torch.bfloat16))
         rate = max(rates)
         result = {dtype: summary(rows[dtype], model, rate) for dtype in DTYPES}
