@@ -16,7 +16,7 @@ causal attention per sample, sum_s L_s^2 over the samples instead of T^2 over th
 by one index each into a batch of segments padded to the longest, one
 `scaled_dot_product_attention` runs over the batch (causal where the row shares nothing, else
 with the segments' masks), and one index gathers the outputs back into the row. The gathers'
-backward is one scatter-add each. On CUDA, in a half dtype, a row that shares nothing runs
+backward is one float32 `index_add_` each (`GatherRows`). On CUDA, in a half dtype, a row that shares nothing runs
 `torch.nn.attention.varlen.varlen_attn` instead, with no padding. One call per segment, as this
 module ran before, made 1,536 SDPA calls and 3,567 `cat`s a step on the GPU check's workload
 (bench/RESULTS-bf16.md), its host time 1.8x its GPU time; the padded batch does at most
