@@ -115,13 +115,13 @@ def run(steps: int) -> dict:
     flags = cpu_flags()
     return {
         "steps": steps, "bf16_matmul_gflops": [r / 1e9 for r in rates], "loads": [r["load"] for r in rows["auto"]],
-        "auto": {side: choose_dtype(False, flags, side)[0] for side in ("trainer", "sampler")},
+        "auto_is": {side: choose_dtype(False, flags, side)[0] for side in ("trainer", "sampler")},
         "speedup": result["float32"]["wall"] / result["auto"]["wall"], **result, "rows": rows,
     }
 
 
 def report(result: dict) -> str:
-    lines = [f"auto = trainer {result['auto']['trainer']}, sampler {result['auto']['sampler']}; bf16 matmul "
+    lines = [f"auto = trainer {result['auto_is']['trainer']}, sampler {result['auto_is']['sampler']}; bf16 matmul "
              f"{', '.join(f'{r:.0f}' for r in result['bf16_matmul_gflops'])} GFLOP/s; load "
              f"{', '.join(f'{x:.1f}' for x in result['loads'])}",
              "| dtype | step s | sampling s | trainer s | rest s | trainer floor s | trainer / floor |",
