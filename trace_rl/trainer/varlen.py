@@ -116,9 +116,9 @@ def has_varlen(device_type: str, dtype: torch.dtype) -> bool:
 
 
 class GatherRows(torch.autograd.Function):
-    """x (N, ...) -> x[index] (len(index), ...); the backward one `index_add_` into zeros of x's rows flattened (a
-    row gathered twice sums both gradients), where `index_select`'s backward on CPU ran a scatter over every element,
-    ~10x slower."""
+    """x (N, ...) -> x[index] (len(index), ...); the backward one float32 `index_add_` into zeros of x's rows
+    flattened: a row gathered twice (a shared context's keys) sums its gradients in float32, in one pass over whole
+    rows (`index_select`'s own backward on a strided (T, heads, dim) view was the layer's slowest op on CPU)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
