@@ -6,9 +6,10 @@ groups (`--groups` prompts of `--prompt-tokens` tokens, 8 completions each, of 5
 `--completion-tokens`), rl on the completions, packed as prefix trees (`share_prefixes`) into
 micro-batches of `--micro-batch-tokens` distinct positions.
 
-1. Attention: `packed_flex` (one FlexAttention call per layer) against `packed_sdpa` (one SDPA
-   per segment) on prefix trees (a branch of a branch whose context ends inside a segment; groups;
-   samples sharing nothing): outputs and q/k/v gradients, float32 and bfloat16.
+1. Attention: `packed_flex` (one FlexAttention call per layer) against `packed_sdpa` (one padded
+   SDPA per layer; on CUDA in bfloat16 `varlen_attn` where a row shares nothing) on prefix trees (a
+   branch of a branch whose context ends inside a segment; groups; samples sharing nothing): outputs
+   and q/k/v gradients, float32 and bfloat16.
 2. Gradients of a small batch: each attention in bfloat16 against a float32 reference
    (`packed_sdpa`, full logits): logprobs max |Δ| and, over all parameters, the cosine and the
    relative norm of the difference.

@@ -365,7 +365,7 @@ class TrainerConfig(Strict):
         "ddp", description="with num_processes > 1 (or cpu_offload): DDP or FSDP2 (fully_shard)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     attention: Literal["auto", "packed_sdpa", "packed_flex"] = Field(
-        "auto", description="attention over a packed micro-batch: packed_sdpa (one SDPA per segment), packed_flex "
+        "auto", description="attention over a packed micro-batch: packed_sdpa (one padded SDPA per layer), packed_flex "
         "(one FlexAttention call per layer, CUDA only); auto: packed_flex on CUDA, else packed_sdpa "
         "(docs/trainer.md)")
     output_layer: Literal["chunked", "float32"] = Field(

@@ -1,6 +1,7 @@
 """The packed attentions compute the same attention: one FlexAttention call over the prefix tree's paths
-(`packed_flex`) equals one SDPA per segment (`packed_sdpa`), forward on CPU (torch has no FlexAttention backward
-there; both directions on CUDA in bench.gpu_check); and which one `trainer.attention` picks."""
+(`packed_flex`) equals one padded SDPA over the segments (`packed_sdpa`), forward on CPU (torch has no
+FlexAttention backward there; both directions on CUDA in bench.gpu_check); and which one `trainer.attention`
+picks."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_the_path_tables_hold_each_sample_path():
 
 @pytest.mark.parametrize("tree", ["branch of a branch", "shared batch", "unshared"])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (3, 3, 8)])
-def test_flex_attention_equals_one_sdpa_per_segment(tree, heads, kv_heads, dim):
+def test_flex_attention_equals_the_padded_sdpa(tree, heads, kv_heads, dim):
     if tree == "branch of a branch":
         tree = branch_of_branch_tree()
     else:
@@ -101,7 +102,7 @@ def test_the_block_mask_is_create_block_masks(tree):
     assert torch.equal(mine.to_dense(), theirs.to_dense())
 
 
-def test_auto_takes_flex_on_cuda_and_per_segment_sdpa_elsewhere():
+def test_auto_takes_flex_on_cuda_and_packed_sdpa_elsewhere():
     assert choose_attention("auto", "cuda")[0] == TREE_ATTENTION
     assert choose_attention("auto", "cpu")[0] == PACKED_ATTENTION
     assert choose_attention(PACKED_ATTENTION, "cuda")[0] == PACKED_ATTENTION

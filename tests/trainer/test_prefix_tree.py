@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.trainer.conftest import VOCAB, make_batch, storage_for
 from trace_rl.config import Config
@@ -134,28 +136,50 @@ def branch_of_branch_tree():
     return tree
 
 
-def test_packed_attention_equals_each_sample_attending_alone_with_gradients():
-    """The row's attention at each sample's path is causal attention over that sample alone, outputs and q/k/v
-    gradients, also where a context ends inside an earlier segment (the row is cut there)."""
-    tree = branch_of_branch_tree()
+class OpCounts(TorchDispatchMode):
+    """How many times each aten op ran inside (the forward and the backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tree", ["branch of a branch", "unshared"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_packed_attention_equals_each_sample_attending_alone_with_gradients(tree, dtype, tolerance):
+    """The row's attention at each sample's path is causal attention over that sample alone (float32, from the
+    same inputs), outputs and q/k/v gradients, also where a context ends inside an earlier segment (the row is cut
+    there); in one attention call and no concatenation, forward and backward."""
+    if tree == "unshared":
+        tree = build_tree([s.input_ids for s in shared_batch()], share=False)
+    else:
+        tree = branch_of_branch_tree()
     torch.manual_seed(0)
     length = len(tree.row_ids)
-    q, k, v = (torch.randn(1, heads, length, 16, requires_grad=True) for heads in (4, 2, 2))
-    out, _ = packed_sdpa_attention(None, q, k, v, None, row_layout=tree.layout)
-    weights = torch.randn_like(out)
-    (out * weights).sum().backward()
-    alone_q, alone_k, alone_v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    expected = torch.zeros_like(out)
+    q, k, v = (torch.randn(1, heads, length, 16).to(dtype).requires_grad_() for heads in (4, 2, 2))
+    with OpCounts() as ops:
+        out, _ = packed_sdpa_attention(None, q, k, v, None, row_layout=tree.layout)
+        weights = torch.randn(out.shape)
+        (out * weights.to(dtype)).sum().backward()
+    assert sum(n for name, n in ops.counts.items() if "attention" in name) == 2  # the forward and its backward
+    assert ops.counts["cat"] == 0
+    alone_q, alone_k, alone_v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    expected = torch.zeros(out.shape)
     for path in tree.paths:
         index = torch.from_numpy(path)
         own = torch.nn.functional.scaled_dot_product_attention(
             alone_q[:, :, index], alone_k[:, :, index], alone_v[:, :, index], is_causal=True, enable_gqa=True)
         expected[:, index] = own.transpose(1, 2)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0)
     # each row position once (a shared one from the last sample through it): the gradients the row computes
     (expected * weights).sum().backward()
     for row, alone in ((q, alone_q), (k, alone_k), (v, alone_v)):
-        torch.testing.assert_close(row.grad, alone.grad, atol=1e-6, rtol=0)
+        torch.testing.assert_close(row.grad.float(), alone.grad, atol=5 * tolerance, rtol=0)
     assert k.grad.abs().max() > 1e-2
 
 

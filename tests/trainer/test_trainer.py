@@ -217,6 +217,7 @@ def test_a_half_precision_step_runs_on_a_compute_copy_not_under_autocast(make_co
     config = make_config()
     trainer = Trainer(config, storage_for(config))
     assert trainer.compute is None and trainer.compute_model is trainer.model
+    assert not trainer.optimizer.defaults["fused"]  # float32: the for-loop AdamW, the weights bit for bit as before
     with trainer._autocast():
         assert not torch.is_autocast_enabled("cpu")  # float32: the computation of a plain float32 model
     config.model.dtype = "bfloat16"
@@ -230,6 +231,7 @@ def test_a_half_precision_step_runs_on_a_compute_copy_not_under_autocast(make_co
     assert {b.dtype for b in copy.buffers() if b.is_floating_point()} == {torch.float32}
     assert copy.get_output_embeddings().weight is copy.get_input_embeddings().weight
     assert {p.dtype for p in trainer.module.parameters()} == {torch.float32}
+    assert trainer.optimizer.defaults["fused"]  # one pass per float32 master parameter
     # a step: the master weights get float32 gradients that equal the copy's, the copy holds none after it
     trainer.optimizer_step(0, make_batch(10))
     assert all(p.grad is None for p in copy.parameters())

@@ -6,7 +6,10 @@ The rules, from measurements:
   tensor cores.
 - A CPU with AMX (`amx_bf16` in /proc/cpuinfo's flags): bfloat16 on both sides. On a 2-core
   Xeon a 2048² matmul ran at 2,005 GFLOP/s in bfloat16 against 278 in float32; vLLM sampled 2x
-  faster and the trainer stepped 1.1-1.3x faster (2026-11-26).
+  faster and the trainer stepped 1.1-1.3x faster (2026-11-26); on `make demo`'s short completions
+  sampling was 1.02-1.21x float32's and the trainer 0.96-2.13x in three runs
+  (2026-11-28, `bench.demo_dtype`, under loads of 3 to 6 on 2 cores): not slower beyond the load's
+  noise, which is all the rule needs.
 - A CPU with AVX512-BF16 but no AMX (Zen 4/5): bfloat16 for the trainer, float32 for the
   samplers. On a 2-core Zen 5 (a bfloat16 2048² matmul at 964 GFLOP/s) `configs/math.toml`'s
   training took 5.7/13.7 s in bfloat16 against 8.4/13.9 s in float32, but vLLM sampled *slower*:

@@ -1,7 +1,8 @@
 """`[trainer] attention`: which attention computes a packed micro-batch.
 
-- `packed_sdpa` (`trace_rl.trainer.varlen`): one `scaled_dot_product_attention` per segment of the
-  row. Runs everywhere; on CPU it is the only one with a backward.
+- `packed_sdpa` (`trace_rl.trainer.varlen`): one `scaled_dot_product_attention` per layer over the
+  row's segments gathered into a padded batch (on CUDA in a half dtype, `varlen_attn` for a row that
+  shares nothing). Runs everywhere; on CPU it is the only one with a backward.
 - `packed_flex` (`trace_rl.trainer.tree_attention`): one compiled FlexAttention call per layer with
   a block mask of the prefix tree's paths. CUDA only: torch has no FlexAttention backward on CPU.
 - `auto`: `packed_flex` on CUDA, `packed_sdpa` elsewhere.
@@ -28,4 +29,4 @@ def choose_attention(setting: str, device_type: str) -> tuple[str, str]:
         return setting, "trainer.attention says so"
     if device_type == "cuda":
         return TREE_ATTENTION, "auto on CUDA: one FlexAttention call per layer"
-    return PACKED_ATTENTION, f"auto on {device_type}: one SDPA per segment (no FlexAttention backward there)"
+    return PACKED_ATTENTION, f"auto on {device_type}: one padded SDPA per layer (no FlexAttention backward there)"

@@ -4,7 +4,7 @@ A micro-batch is one row the model computes. With `share_prefixes` it is a prefi
 (`trace_rl.trainer.prefix_tree`): a token prefix several of its samples start with is stored
 once and each continuation attends to it; without, the samples sit side by side. Either way
 each sample keeps its own position ids (0, 1, ...) and attends only to its own earlier tokens
-(`trace_rl.trainer.varlen`), so attention runs per segment instead of over a dense (T x T) mask.
+(`trace_rl.trainer.varlen`), so attention runs over the segments instead of a dense (T x T) mask.
 
 Besides the row, a micro-batch keeps every sample's own per-token arrays, concatenated (the
 *view* the loss reads, the same with or without sharing), and the output-layer *queries*: one

@@ -11,8 +11,8 @@ of a block sees are skipped, the fully visible ones run without the mask. The ma
 per micro-batch from two tables, the segment of each row position and, per segment, which row
 positions are its context, and serves every layer.
 
-Outputs (and, on CUDA, q/k/v gradients) equal `packed_sdpa`'s, which runs one SDPA per segment
-(1,536 kernel launches per forward for 64 segments and 24 layers, where this runs 24). On CUDA the
+Outputs (and, on CUDA, q/k/v gradients) equal `packed_sdpa`'s, which runs one SDPA per layer
+over the segments padded to the longest. On CUDA the
 kernel is compiled (Triton); on CPU torch 2.13 has no FlexAttention backward, so training there
 keeps `packed_sdpa`, and the forward runs eagerly (the unfused reference, for tests).
 """

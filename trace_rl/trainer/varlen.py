@@ -3,25 +3,32 @@
 A packed micro-batch is one row of segments (`RowLayout`). A segment is a run of tokens that
 continues a prefix stored earlier in the same row (its *context*: the token ranges of its shared
 ancestors, in order), or starts from nothing. Instead of one dense (T x T) mask over the row,
-each segment s with queries q[s] and context c(s) runs
+each segment s with queries q[s] and context c(s) attends as
 
     out[s] = softmax(q[s] [k[c(s)]; k[s]]^T * scale + mask_s) [v[c(s)]; v[s]]
 
 where `mask_s` lets every query see the whole context and is causal on the segment's own keys. A
 segment without context is plain causal attention; a row of samples that share nothing is then one
 causal attention per sample, sum_s L_s^2 over the samples instead of T^2 over the row.
-`PACKED_ATTENTION` ("packed_sdpa") runs each segment as one `scaled_dot_product_attention` (the
-fused CPU kernel on CPU; on CUDA the memory-efficient kernel, which takes the mask).
 
-Queries, keys and values are cut into the row's pieces once (`RowLayout.cuts`: every segment and
-context boundary), and each segment joins the pieces it reads. Slicing the row per segment instead
-costs a zero-filled row-sized gradient per slice in the backward pass, so its time grew with segments
-x row length: 1.4 s of a step's 17 s of operators (torch.profiler) for 64 samples of ~55 tokens on
-SmolLM2-135M, float32, CPU.
+`PACKED_ATTENTION` ("packed_sdpa") runs the whole row as one attention call per layer
+(`PaddedRow`): the segments' queries, and their keys and values (context, then own), are gathered
+by one index each into a batch of segments padded to the longest, one
+`scaled_dot_product_attention` runs over the batch (causal where the row shares nothing, else
+with the segments' masks), and one index gathers the outputs back into the row. The gathers'
+backward is one float32 `index_add_` each (`GatherRows`). On CUDA, in a half dtype, a row that shares nothing runs
+`torch.nn.attention.varlen.varlen_attn` instead, with no padding. One call per segment, as this
+module ran before, made 1,536 SDPA calls and 3,567 `cat`s a step on the GPU check's workload
+(bench/RESULTS-bf16.md), its host time 1.8x its GPU time; the padded batch does at most
+(segments x longest) / (sum of lengths) more attention FLOPs, for rows of similar lengths (a
+GRPO group's samples) a few tenths.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
@@ -42,31 +49,89 @@ class RowLayout:
             self._cache[key] = build()
         return self._cache[key]
 
-    def cuts(self, length: int) -> list[int]:
-        """The row positions where a segment or a context range starts or ends, with 0 and `length`, in order."""
-        bounds = {0, length}
-        for start, end, context in self.segments:
-            bounds.update((start, end))
-            for a, b in context:
-                bounds.update((a, b))
-        return sorted(bounds)
-
     @property
     def shares(self) -> bool:
         """Whether any segment continues a stored prefix (the row is then no longer samples side by side)."""
         return any(context for _, _, context in self.segments)
 
-    def mask(self, index: int, device: torch.device) -> torch.Tensor:
-        """Segment `index`'s boolean mask (own tokens x (context + own tokens)): all context, causal on its own."""
-        def build() -> torch.Tensor:
-            start, end, context = self.segments[index]
-            own = end - start
-            seen = sum(b - a for a, b in context)
-            mask = torch.ones(own, seen + own, dtype=torch.bool, device=device)
-            mask[:, seen:] = torch.ones(own, own, dtype=torch.bool, device=device).tril()
-            return mask
 
-        return self.cached(("mask", index, device), build)
+class PaddedRow:
+    """A row's segments as a batch padded to the longest segment (queries) and the longest context + segment (keys).
+
+    `queries` (segments x longest) and `keys` (segments x longest keys) index the row position each padded slot
+    reads (position 0 in padding); `outputs` (row length) the padded query slot each row position's output is
+    in; `mask` (segments, 1, longest, longest keys), None where no segment has a context: each real query sees its
+    context and its own earlier keys, a padding query sees the first key (a row that sees nothing would be NaN,
+    and NaN times its zero gradient is NaN)."""
+
+    def __init__(self, layout: RowLayout, length: int, device: torch.device):
+        own = [end - start for start, end, _ in layout.segments]
+        seen = [sum(b - a for a, b in context) for _, _, context in layout.segments]
+        self.longest, self.longest_keys = max(own), max(c + o for c, o in zip(seen, own))
+        queries = np.zeros((len(own), self.longest), dtype=np.int64)
+        keys = np.zeros((len(own), self.longest_keys), dtype=np.int64)
+        outputs = np.full(length, -1, dtype=np.int64)
+        for index, (start, end, context) in enumerate(layout.segments):
+            queries[index, :end - start] = np.arange(start, end)
+            keys[index, :seen[index] + end - start] = np.concatenate(
+                [np.arange(a, b) for a, b in (*context, (start, end))])
+            outputs[start:end] = index * self.longest + np.arange(end - start)
+        if (outputs < 0).any():
+            raise ValueError(f"the row layout leaves positions {np.flatnonzero(outputs < 0)[:5].tolist()} of "
+                             f"{length} outside every segment")
+        self.queries, self.keys, self.outputs = (torch.from_numpy(x.reshape(-1)).to(device)
+                                                 for x in (queries, keys, outputs))
+        self.mask = None
+        if layout.shares:
+            mask = np.zeros((len(own), 1, self.longest, self.longest_keys), dtype=bool)
+            mask[:, :, :, 0] = True  # every real query sees it too: its context's or its own first key
+            for index, (o, c) in enumerate(zip(own, seen)):
+                mask[index, 0, :o, :c] = True
+                mask[index, 0, :o, c:c + o] = np.tri(o, dtype=bool)
+            self.mask = torch.from_numpy(mask).to(device)
+
+
+class VarlenRow:
+    """A row that shares nothing as `varlen_attn` takes it: the segments' cumulative starts and the longest."""
+
+    def __init__(self, layout: RowLayout, device: torch.device):
+        starts = [start for start, _, _ in layout.segments] + [layout.segments[-1][1]]
+        self.cumulative = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.longest = max(end - start for start, end, _ in layout.segments)
+
+
+@functools.cache
+def has_varlen(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch.nn.attention.varlen.varlen_attn` (FlashAttention's kernel: CUDA, half dtypes) runs here."""
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        x = torch.ones(4, 1, 64, device=device_type, dtype=dtype)
+        cumulative = torch.tensor([0, 4], dtype=torch.int32, device=device_type)
+        return varlen_attn(x, x, x, cumulative, cumulative, 4, 4, window_size=(-1, 0)).shape == x.shape
+    except (ImportError, RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class GatherRows(torch.autograd.Function):
+    """x (N, ...) -> x[index] (len(index), ...); the backward one float32 `index_add_` into zeros of x's rows
+    flattened: a row gathered twice (a shared context's keys) sums its gradients in float32, in one pass over whole
+    rows (`index_select`'s own backward on a strided (T, heads, dim) view was the layer's slowest op on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.reshape(x.shape[0], -1).index_select(0, index).view(len(index), *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        flat = grad.reshape(len(index), -1).float()
+        summed = flat.new_zeros(ctx.rows, flat.shape[1]).index_add_(0, index, flat)
+        return summed.to(grad.dtype).view(ctx.rows, *grad.shape[1:]), None
 
 
 def check_packed_row(implementation: str, query: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -87,31 +152,34 @@ def packed_sdpa_attention(
     row_layout: RowLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), per segment of
-    `row_layout` (None: the row is one causal sequence)."""
+    """query (1, heads, T, dim), key/value (1, kv heads, T, dim) -> (1, T, heads, dim), each segment of `row_layout`
+    (None: the row is one causal sequence) over its context and its own earlier tokens, in one attention call."""
     check_packed_row(PACKED_ATTENTION, query, attention_mask)
     length = query.shape[2]
     if row_layout is None:
         row_layout = RowLayout([(0, length, ())])
-    cuts = row_layout.cuts(length)
-    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
-    piece = {position: index for index, position in enumerate(cuts)}
-    queries, keys, values = (tensor.split(sizes, dim=2) for tensor in (query, key, value))
-
-    def join(pieces: tuple[torch.Tensor, ...], ranges) -> torch.Tensor:
-        chosen = [p for a, b in ranges for p in pieces[piece[a]:piece[b]]]
-        return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=2)
-
     gqa = query.shape[1] != key.shape[1]
-    parts = []
-    for index, (start, end, context) in enumerate(row_layout.segments):
-        ranges = [*context, (start, end)]
-        parts.append(torch.nn.functional.scaled_dot_product_attention(
-            join(queries, [(start, end)]), join(keys, ranges), join(values, ranges),
-            attn_mask=row_layout.mask(index, query.device) if context else None, dropout_p=dropout, scale=scaling,
-            is_causal=not context, enable_gqa=gqa,
-        ))
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+    # (T, heads, dim): the row's positions first, for the gathers
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    if not row_layout.shares and not dropout and has_varlen(query.device.type, query.dtype):
+        from torch.nn.attention.varlen import varlen_attn
+
+        row = row_layout.cached(("varlen", query.device), lambda: VarlenRow(row_layout, query.device))
+        out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), row.cumulative, row.cumulative,
+                          row.longest, row.longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+        return out[None], None
+    row = row_layout.cached(("padded", length, query.device), lambda: PaddedRow(row_layout, length, query.device))
+    segments = row.queries.shape[0] // row.longest
+
+    def batch(tensor: torch.Tensor, index: torch.Tensor, longest: int) -> torch.Tensor:
+        return GatherRows.apply(tensor, index).view(segments, longest, *tensor.shape[1:]).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        batch(q, row.queries, row.longest), batch(k, row.keys, row.longest_keys),
+        batch(v, row.keys, row.longest_keys), attn_mask=row.mask, dropout_p=dropout, scale=scaling,
+        is_causal=row.mask is None, enable_gqa=gqa,
+    )
+    return GatherRows.apply(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]), row.outputs)[None], None
 
 
 # run eagerly inside a compiled decoder block (`trainer.compile`): traced, the row's Python layout would be a guard

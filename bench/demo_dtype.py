@@ -1,0 +1,147 @@
+"""`make demo`'s step in `model.dtype = "auto"` against `"float32"`, stepped in turn: `python -m bench.demo_dtype`.
+
+Two library runs of configs/math.toml (`bench.step.library_stepper`: `trace_rl.pipeline.step.run_step`, no
+Prefect) in one process, one with `model.dtype = "auto"`, one with `"float32"`, same seed and data. Step `s` of
+both runs back to back, the order alternating (auto first on odd steps), so the load of a shared machine hits
+both alike. Step 1 loads the models and builds the trainers: only steps 2.. count. Per step and run: the wall
+time, sampling (`sample_rollouts`), the trainer's compute (`Trainer.optimizer_step`), the rest (algorithms,
+Parquet, checkpoint, weight export and broadcast).
+
+The trainer's bfloat16 floor is its step's matmul FLOPs at this machine's bfloat16 matmul rate
+(`bench.trainer.matmul_flops_per_s`, a 1024^3 matmul, measured before and after the steps, the faster kept):
+
+    FLOPs = 6 x positions x (parameters - embedding) + 8 x scored positions x vocabulary x hidden
+
+`positions` are the packed rows' tokens after prefix sharing (`tokens`), `scored positions` the output layer's
+(`output_positions`); the output layer's 8 = its forward, its forward again in the backward (chunked), and the
+backward's two GEMMs. Attention's FLOPs (under 2% at the demo's lengths) are left out, so the floor is low by that.
+
+    flock /tmp/trace-rl-heavy.lock .venv/bin/python -m bench.demo_dtype --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+DEMO_CONFIG = "configs/math.toml"
+DTYPES = ("auto", "float32")
+
+
+def demo_config(storage: str, dtype: str, steps: int):
+    from trace_rl.runs.loading import load_config
+
+    return load_config(DEMO_CONFIG, [f"model.dtype={json.dumps(dtype)}", f"name={json.dumps('demo-' + dtype)}",
+                                     f"storage={json.dumps(storage)}", f"steps={steps}"])
+
+
+def stepper(config, timers):
+    """A function running step `s` of `config` alone: its wall seconds, timed stages and trainer metrics."""
+    from trace_rl.pipeline.session import session_for
+    from trace_rl.pipeline.step import run_step
+    from trace_rl.runs.start import prepare_run
+
+    prepare_run(config, "new")
+    session = session_for(config)
+
+    def step_once(step: int) -> dict:
+        timers.take()
+        started = time.perf_counter()
+        result = run_step(session, step)
+        wall = time.perf_counter() - started
+        timed = timers.take()
+        return {"step": step, "wall": wall, "sampling": timed.get("sample_rollouts", 0.0),
+                "trainer": timed.get("trainer/compute", 0.0), "train_stage": timed.get("train", 0.0),
+                "metrics": result["train"]["metrics"], "load": os.getloadavg()[0]}
+
+    return step_once
+
+
+def demo_model(config):
+    """The demo's model with no weights (meta tensors): its shapes and parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trace_rl.models.hub import resolve_model_path
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(config.model.name)))
+
+
+def trainer_flops(model, metrics: dict) -> float:
+    """The trainer step's matmul FLOPs (the module docstring's formula)."""
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    body = params - c.vocab_size * c.hidden_size
+    return 6 * metrics["tokens"] * body + 8 * metrics["output_positions"] * c.vocab_size * c.hidden_size
+
+
+def summary(rows: list[dict], model, rate: float) -> dict:
+    warm = rows[1:]
+    median = {key: statistics.median(r[key] for r in warm) for key in ("wall", "sampling", "trainer")}
+    floor = statistics.median(trainer_flops(model, r["metrics"]) / rate for r in warm)
+    return {**median, "rest": median["wall"] - median["sampling"] - median["trainer"], "trainer_floor": floor,
+            "trainer_over_floor": median["trainer"] / floor}
+
+
+def run(steps: int) -> dict:
+    import torch
+
+    from bench.timers import pipeline_timers
+    from bench.trainer import matmul_flops_per_s
+    from trace_rl.models.dtype import choose_dtype, cpu_flags
+
+    cpu = torch.device("cpu")
+    rates = [matmul_flops_per_s(cpu, torch.bfloat16)]
+    with tempfile.TemporaryDirectory(prefix="trace-rl-bench-demo-dtype-") as home, pipeline_timers() as timers:
+        configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps) for dtype in DTYPES}
+        model = demo_model(configs["float32"])
+        steppers = {dtype: stepper(configs[dtype], timers) for dtype in DTYPES}
+        rows: dict[str, list[dict]] = {dtype: [] for dtype in DTYPES}
+        for step in range(1, steps + 1):
+            for dtype in (DTYPES if step % 2 else DTYPES[::-1]):
+                rows[dtype].append(steppers[dtype](step))
+                row = rows[dtype][-1]
+                print(json.dumps({"dtype": dtype, **{k: v for k, v in row.items() if k != "metrics"},
+                                  **{k: row["metrics"][k] for k in ("tokens", "output_positions")}}),
+                      flush=True)
+        rates.append(matmul_flops_per_s(cpu, torch.bfloat16))
+        rate = max(rates)
+        result = {dtype: summary(rows[dtype], model, rate) for dtype in DTYPES}
+    flags = cpu_flags()
+    return {
+        "steps": steps, "bf16_matmul_gflops": [r / 1e9 for r in rates], "loads": [r["load"] for r in rows["auto"]],
+        "auto_is": {side: choose_dtype(False, flags, side)[0] for side in ("trainer", "sampler")},
+        "speedup": result["float32"]["wall"] / result["auto"]["wall"], **result, "rows": rows,
+    }
+
+
+def report(result: dict) -> str:
+    lines = [f"auto = trainer {result['auto_is']['trainer']}, sampler {result['auto_is']['sampler']}; bf16 matmul "
+             f"{', '.join(f'{r:.0f}' for r in result['bf16_matmul_gflops'])} GFLOP/s; load "
+             f"{', '.join(f'{x:.1f}' for x in result['loads'])}",
+             "| dtype | step s | sampling s | trainer s | rest s | trainer floor s | trainer / floor |",
+             "|---|---|---|---|---|---|---|"]
+    for dtype in DTYPES:
+        r = result[dtype]
+        lines.append(f"| {dtype} | {r['wall']:.2f} | {r['sampling']:.2f} | {r['trainer']:.2f} | {r['rest']:.2f} | "
+                     f"{r['trainer_floor']:.2f} | {r['trainer_over_floor']:.1f} |")
+    lines.append(f"auto step {result['speedup']:.2f}x float32's (medians of steps 2-{result['steps']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="steps per dtype (the first is a warm-up)")
+    args = parser.parse_args(argv)
+    result = run(args.steps)
+    print(report(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
