@@ -39,6 +39,8 @@ IMAGE_ENV = {
 # SIGKILL: verifiers runs `sleep infinity` as a container's init, which ignores SIGTERM, and removes the container
 # with `rm --force`, which would wait out the 10 s stop timeout (and block the event loop: its cleanup is synchronous)
 CHANGES = [*(f"ENV {key}={value}" for key, value in IMAGE_ENV.items()), 'CMD ["/bin/sh"]', "STOPSIGNAL SIGKILL"]
+INSTALL = {"podman": "apt-get install -y podman runc", "docker": "apt-get install -y docker.io"}
+BUILD = {"podman": "trace-rl sandbox build", "docker": "trace-rl sandbox build --engine docker"}
 RECIPE_VERSION = 1  # bump when the build below changes what it makes
 
 
@@ -143,8 +145,7 @@ def build(tag: str | None = None, engine: str = "podman", force: bool = False,
     """The default image under `tag` (the recipe's) in `engine`'s store: kept if it is there, imported from the
     cached root if that is, built otherwise. Returns the tag."""
     if shutil.which(engine) is None:
-        raise ImageError(f"`{engine}` is not installed: apt-get install -y {engine}"
-                         + (" runc (docs/containers.md#podman)" if engine == "podman" else ""))
+        raise ImageError(f"`{engine}` is not installed: {INSTALL[engine]} (docs/containers.md)")
     tag = tag or default_tag()
     if not force and image_exists(tag, engine):
         log(f"{tag} is there")
