@@ -152,6 +152,7 @@ def test_a_podman_rollouts_set_up_reaches_no_host_and_installs_from_the_images_i
     with its address in HTTP(S)_PROXY) lets no host through but the rollout's routes: PyPI is refused, and uv
     installs what verifiers' harnesses install from the wheels baked into the image."""
     import verifiers.v1.runtimes as runtimes
+    from verifiers.v1.runtimes.container import cli
     from verifiers.v1.runtimes.docker import PodmanConfig
 
     from trace_rl.containers.runtime import RoutedPodmanRuntime, install
@@ -162,18 +163,23 @@ def test_a_podman_rollouts_set_up_reaches_no_host_and_installs_from_the_images_i
     uv = "uv venv -q /tmp/v && uv pip install -q --python /tmp/v/bin/python openai && /tmp/v/bin/python -c " \
         "'import openai; print(openai.__name__)'"
 
+    status = ["sh", "-c", "grep -E 'Cap(Eff|Bnd)|NoNewPrivs|Seccomp:' /proc/self/status; cat /proc/self/cgroup; id"]
+
     async def set_up():
         runtime = runtimes.make_runtime(PodmanConfig(image=sandbox_image, allow=[]))
         try:
             await runtime.start()
             await runtime.prepare_setup()
-            return (type(runtime), await runtime.run(["python3", "-c", fetch], {}),
+            # its programs run with `runc exec`, confined as `podman exec` confines them
+            confined = await runtime.run(status, {}), await cli("podman", "exec", runtime._container, *status)
+            return (type(runtime), runtime._exec({})[0], confined, await runtime.run(["python3", "-c", fetch], {}),
                     await runtime.run(["sh", "-c", uv], {}), await runtime.run(["ls", "/sys/class/net"], {}))
         finally:
             await runtime.stop()
 
-    kind, fetched, installed, devices = asyncio.run(set_up())
-    assert kind is RoutedPodmanRuntime
+    kind, executable, (by_runc, by_podman), fetched, installed, devices = asyncio.run(set_up())
+    assert kind is RoutedPodmanRuntime and executable == "runc"
+    assert by_runc.stdout == by_podman.stdout and "NoNewPrivs:\t1" in by_runc.stdout, (by_runc, by_podman)
     assert "403" in fetched.stdout and "Forbidden" in fetched.stdout, fetched
     assert installed.exit_code == 0 and installed.stdout == "openai\n", installed
     assert devices.stdout == "lo\n"

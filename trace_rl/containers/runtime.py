@@ -31,6 +31,7 @@ from verifiers.v1.runtimes.docker import PodmanRuntime
 from verifiers.v1.runtimes.docker.egress import EgressProxy, NetworkPolicy
 
 CLONE_NEWNET = 0x40000000
+RUNC_ROOT = "/run/runc"  # runc's state of root's containers, where podman's runc keeps them
 
 
 def listener_in(pid: int) -> socket.socket:
@@ -78,7 +79,8 @@ class RoutedPodmanRuntime(PodmanRuntime):
                         "--name", self._container, self.config.image, "infinity")
         if run.exit_code != 0:
             raise SandboxError(f"{self.engine} run failed: {run.stderr.strip()}")
-        self.info.id = run.stdout.strip()[:12]
+        self._id = run.stdout.strip()
+        self.info.id = self._id[:12]
         inspected = await cli(self.engine, "inspect", "--format", "{{.State.Pid}} {{json .Config}}", self._container)
         pid, _, config = inspected.stdout.partition(" ")
         if inspected.exit_code != 0 or not pid.isdigit():
@@ -94,6 +96,16 @@ class RoutedPodmanRuntime(PodmanRuntime):
         self._proxy = EgressProxy(NetworkPolicy(self.config, []))
         await self._proxy.start(listener=listener_in(int(pid)))
         self._cut = True  # no device but loopback: the proxy is the only way out, for set-up too
+
+    def _exec(self, env: dict[str, str], *, stdin: bool = False) -> list[str]:
+        """`runc exec` into the container where podman runs it on runc (a third of `podman exec`'s time: no podman
+        process, no conmon): the process gets the container's spec (its capabilities, seccomp profile, user,
+        no_new_privileges) as with `podman exec`; its environment is set by `env` in the container."""
+        if self.user is not None or not os.path.isdir(f"{RUNC_ROOT}/{self._id}"):
+            return super()._exec(env, stdin=stdin)
+        env = {**env, **self._proxy_env()}
+        return ["runc", "--root", RUNC_ROOT, "exec", "--cwd", self.config.workdir, self._id, "env",
+                *(f"{key}={value}" for key, value in env.items())]
 
 
 _rootful: bool | None = None
