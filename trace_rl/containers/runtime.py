@@ -5,12 +5,13 @@ verifiers 0.4.0 starts three containers for a rollout whose network is restricte
 bridge with a published port; a helper in its network that hands verifiers' egress proxy a listener there; and one
 more that cuts the network with iptables before the agent runs. Each costs a `podman run` (and the bridge's set-up
 and tear-down), which made podman 0.38x the host's rollouts/s. Where podman runs as root, trace-rl's runtime starts
-the rollout's container with `--network none` (loopback only: nothing to cut) and makes the proxy's listener in
-the container's network namespace from this process (`setns` in a thread of its own), so a rollout costs one
-`podman run` and one `podman rm`. What a rollout may reach is what verifiers' proxy lets through: the routes of its
-interception endpoint and tool servers, and the hosts of the seat's `allow`, from its set-up on (verifiers opens
-set-up to every host; here it needs none, docs/containers.md#network). A seat with the network open
-(`allow = ["*"]`), and rootless podman, run verifiers' runtime as it is.
+the rollout's container with `--network none` (loopback only: nothing to cut) and makes the proxy's listener in the
+container's network namespace from this process (`setns` in a thread of its own), so a rollout costs one `podman
+run` and one `podman rm`; its programs run with `runc exec` (podman's own exec, less podman's and conmon's start).
+What a rollout may reach is what verifiers' proxy lets through: the routes of its interception endpoint and tool
+servers, and the hosts of the seat's `allow`, from its set-up on (verifiers opens set-up to every host; here it
+needs none, docs/containers.md#network). A seat with the network open (`allow = ["*"]`), and rootless podman, run
+verifiers' runtime as it is.
 """
 
 from __future__ import annotations
