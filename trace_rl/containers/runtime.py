@@ -16,6 +16,7 @@ verifiers' runtime as it is.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import json
@@ -32,12 +33,13 @@ from verifiers.v1.runtimes.docker import PodmanRuntime
 from verifiers.v1.runtimes.docker.egress import EgressProxy, NetworkPolicy
 
 CLONE_NEWNET = 0x40000000
+PROXY_PORT = 3128  # the egress proxy's port on each container's loopback (a network namespace of its own)
 RUNC_ROOT = "/run/runc"  # runc's state of root's containers, where podman's runc keeps them
 
 
-def listener_in(pid: int) -> socket.socket:
-    """A TCP listener on 127.0.0.1 in the network namespace of process `pid`, for this process to serve: made in a
-    thread that enters that namespace and then ends (a namespace is a thread's own)."""
+def listener_in(pid: int, port: int) -> socket.socket:
+    """A TCP listener on 127.0.0.1:`port` in the network namespace of process `pid`, for this process to serve: made
+    in a thread that enters that namespace and then ends (a namespace is a thread's own)."""
     made: dict[str, object] = {}
 
     def make() -> None:
@@ -47,7 +49,7 @@ def listener_in(pid: int) -> socket.socket:
                 if libc.setns(namespace.fileno(), CLONE_NEWNET) != 0:
                     raise OSError(ctypes.get_errno(), f"setns into the network of process {pid}")
             listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
+            listener.bind(("127.0.0.1", port))
             listener.listen()
             made["listener"] = listener
         except OSError as exc:
@@ -63,10 +65,27 @@ def listener_in(pid: int) -> socket.socket:
 
 class RoutedPodmanRuntime(PodmanRuntime):
     """verifiers' PodmanRuntime for a restricted network where podman runs as root: one container, `--network none`,
-    the egress proxy listening in it from its start."""
+    the egress proxy listening in it from its start.
+
+    `start` returns at once, the container starting beside the rollout's set-up and first turns (its routes are
+    known without it: the proxy's port is fixed); the first command run in it waits for it, and fails with the
+    start's error (`podman run failed: ...`, a retryable rollout) if it did not start."""
+
+    _id: str | None = None  # the container's full id, runc's name for it
+    _starting: asyncio.Future | None = None
 
     async def start(self) -> None:
         self._container = f"vf-{uuid.uuid4().hex}"
+        self._proxy = EgressProxy(NetworkPolicy(self.config, []))
+        self._proxy.port = PROXY_PORT
+        self._cut = True  # no device but loopback: the proxy is the only way out, for set-up too
+        self._starting = asyncio.ensure_future(self._start_container())
+
+    async def started(self) -> None:
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
+
+    async def _start_container(self) -> None:
         options = ["--network", "none", "--http-proxy=false", "--cap-drop", "NET_ADMIN", "--cap-drop", "NET_RAW",
                    "--security-opt", "no-new-privileges"]
         if self.config.cpu is not None:
@@ -94,15 +113,30 @@ class RoutedPodmanRuntime(PodmanRuntime):
                          self.config.workdir, container["User"] or "0")
         if made.exit_code != 0:
             raise SandboxError(f"{self.engine} workdir setup failed: {made.stderr.strip()}")
-        self._proxy = EgressProxy(NetworkPolicy(self.config, []))
-        await self._proxy.start(listener=listener_in(int(pid)))
-        self._cut = True  # no device but loopback: the proxy is the only way out, for set-up too
+        await self._proxy.start(listener=listener_in(int(pid), PROXY_PORT))
+
+    async def _run_host(self, *argv: str):
+        await self.started()
+        return await super()._run_host(*argv)
+
+    async def _communicate_host(self, *argv: str, input: bytes | None = None):
+        await self.started()
+        return await super()._communicate_host(*argv, input=input)
+
+    async def open_process(self, argv: list[str], env: dict[str, str]):
+        await self.started()
+        return await super().open_process(argv, env)
+
+    async def teardown(self) -> None:
+        if self._starting is not None:
+            await asyncio.gather(self._starting, return_exceptions=True)
+        await super().teardown()
 
     def _exec(self, env: dict[str, str], *, stdin: bool = False) -> list[str]:
         """`runc exec` into the container where podman runs it on runc (a third of `podman exec`'s time: no podman
         process, no conmon): the process gets the container's spec (its capabilities, seccomp profile, user,
         no_new_privileges) as with `podman exec`; its environment is set by `env` in the container."""
-        if self.user is not None or not os.path.isdir(f"{RUNC_ROOT}/{self._id}"):
+        if self.user is not None or self._id is None or not os.path.isdir(f"{RUNC_ROOT}/{self._id}"):
             return super()._exec(env, stdin=stdin)
         env = {**env, **self._proxy_env()}
         return ["runc", "--root", RUNC_ROOT, "exec", "--cwd", self.config.workdir, self._id, "env",
