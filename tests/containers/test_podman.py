@@ -1,8 +1,8 @@
-"""verifiers' podman runtime on trace-rl: the default image built here (once per recipe: the engine's store keeps
-it), trace-rl's chat harness and verifiers' `bash` harness reaching the sampler from a container, tool calls
-token-exact, the model's programs run in the container with no network but the rollout's routes, one container a
-rollout with no network device from its set-up on (`trace_rl.containers.runtime`), and one-line refusals where
-the engine (podman or docker) or the image is missing."""
+"""verifiers' podman runtime on trace-rl: the default image built here (once per recipe: the engine's store keeps it),
+trace-rl's chat harness and verifiers' `bash` and `mini_swe_agent` harnesses reaching the sampler from a container,
+tool calls token-exact, the model's programs run in the container with no network but the rollout's routes, one
+container a rollout with no network device from its set-up on (`trace_rl.containers.runtime`), and one-line refusals
+where the engine (podman or docker) or the image is missing."""
 
 from __future__ import annotations
 
@@ -131,6 +131,32 @@ def test_the_bash_harness_calls_tools_in_a_container_token_exactly_and_sees_the_
     assert not [r for r in caplog.records if "models call failed" in r.getMessage()]
     (branch,) = trace.branches
     assert_token_exact(branch, runtime.prompts, replies, tokenizer, tiny_model_path)
+    assert containers() == []
+
+
+def test_the_mini_swe_agent_harness_plays_an_episode_in_a_container_token_exactly(sandbox_image, tiny_model_path):
+    """verifiers' `mini_swe_agent` harness (mini-swe-agent on litellm, installed from the image's wheels with no
+    network) reaches the sampler from the container, runs the model's bash tool calls there, and submits."""
+    from transformers import AutoTokenizer
+
+    env = code_env(harness={"id": "mini_swe_agent"})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    replies = ['Checking.<tool_call>{"name": "bash", "arguments": {"command": "python3 -c \'print(6 * 7)\'"}}'
+               '</tool_call>', 'Done.<tool_call>{"name": "bash", "arguments": {"command": '
+               '"echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}</tool_call>']
+    runtime = ScoredScriptedRuntime(tiny_model_path, tokenizer, replies)
+    runtime.config = runtime.config.model_copy(update={"max_model_len": 4096})
+    env.vf_env  # noqa: B018 - names this process's run scope (VF_RUN_ID)
+    since = now()
+    (trace,) = play(env, runtime, task=0)
+    assert trace.error is None, trace.error
+    assert [m.role for m in trace.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    (call,) = trace.messages[2].tool_calls
+    assert (call.name, call.arguments) == ("bash", {"command": "python3 -c 'print(6 * 7)'"})
+    assert "42" in trace.messages[3].content
+    (branch,) = trace.branches
+    assert_token_exact(branch, runtime.prompts, replies, tokenizer, tiny_model_path)
+    assert len(started_since(since)) == 1
     assert containers() == []
 
 
