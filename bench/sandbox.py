@@ -10,7 +10,9 @@ into the rollout's runtime and runs it. The sides differ only in that runtime:
 - `host`: verifiers' `subprocess` runtime, the program run on the host as the trainer (what the default was);
 - `bwrap`: trace-rl's default sandbox (`trace_rl/sandbox/`, docs/sandbox.md): the program under bubblewrap;
 - `podman`: verifiers' podman runtime on the image `trace-rl sandbox build` makes, with trace-rl's defaults (no
-  network but the rollout's routes): a container per rollout, started before the episode and removed after it.
+  network but the rollout's routes), which is trace-rl's `RoutedPodmanRuntime` where podman runs as root (as
+  here): one container per rollout with no network device, started as the episode starts and removed after it,
+  its commands run with `runc exec` (docs/containers.md#what-a-container-costs).
 
 Both sides play the same tasks with the same seeds each round, so they sample the same tokens; the order of the
 sides rotates by round so that a shared machine's load hits both alike. Round 0 (the engine's and the first

@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 
+from trace_rl.containers.image import BUILD, INSTALL, image_exists
+
 SCOPE_PREFIX = "trace-rl-"
 CONFIGURE = ('/etc/containers/containers.conf: [containers] default_ulimits = [], [engine] runtime = "runc", '
              'cgroup_manager = "cgroupfs" (docs/containers.md#podman)')
@@ -20,9 +22,12 @@ CONFIGURE = ('/etc/containers/containers.conf: [containers] default_ulimits = []
 def engine_problem(engine: str) -> str | None:
     """What `engine` lacks here to run a container, or None."""
     if shutil.which(engine) is None:
-        return f"`{engine}` on PATH (apt-get install -y podman runc, then `trace-rl sandbox build`)" \
-            if engine == "podman" else f"`{engine}` on PATH"
-    if engine != "podman":
+        return f"`{engine}` on PATH ({INSTALL[engine]}, then `{BUILD[engine]}`)"
+    if engine == "docker":
+        result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+        if result.returncode != 0:
+            return (f"a running docker daemon that this user may use (`docker info` failed: "
+                    f"{(result.stderr.strip().splitlines() or ['?'])[-1]})")
         return None
     result = subprocess.run(["podman", "info", "--format", "json"], capture_output=True, text=True)
     if result.returncode != 0:
@@ -38,12 +43,10 @@ def engine_problem(engine: str) -> str | None:
 
 def image_problem(engine: str, image: str, default: bool) -> str | None:
     """Why `image` cannot start here, or None: it is not in the engine's store (no registry is assumed)."""
-    from trace_rl.containers.image import image_exists
-
     if image_exists(image, engine):
         return None
     if default:
-        return f"{engine}'s default image {image} is not built: run `trace-rl sandbox build`"
+        return f"{engine}'s default image {image} is not built: run `{BUILD[engine]}`"
     return (f"{engine} has no image {image!r} (`{engine} images` lists its store; no registry is assumed: build it "
             "here, docs/containers.md#images)")
 

@@ -3,11 +3,11 @@ reachable), and a sandbox needs no network at run time.
 
 `mmdebstrap` builds a minimal Debian root from Debian's packages (Python, iptables and iproute2 for verifiers'
 network cut). The PyPI wheels of what verifiers' harnesses install with `uv sync --script` (the `bash` harness's
-chat program) and `uv` itself are baked in, with a PEP 503 index of them that the image's `UV_DEFAULT_INDEX` names,
-so a harness installs offline; the bash harness's program is installed already. The engine imports the root as
-`localhost/trace-rl-sandbox:<recipe hash>`, also tagged as verifiers' network-cut helper image (which verifiers
-would otherwise build from a registry's alpine). The root's tar is kept as `$TRACE_RL_CACHE/images/<hash>.tar`, so
-a wiped engine store re-imports it without rebuilding.
+chat program, `mini_swe_agent`'s mini-swe-agent) and `uv` itself are baked in, with a PEP 503 index of them that the
+image's `UV_DEFAULT_INDEX` names, so a harness installs offline; both programs are installed already. The engine
+imports the root as `localhost/trace-rl-sandbox:<recipe hash>`, also tagged as verifiers' network-cut helper image
+(which verifiers would otherwise build from a registry's alpine). The root's tar is kept as
+`$TRACE_RL_CACHE/images/<hash>.tar`, so a wiped engine store re-imports it without rebuilding.
 """
 
 from __future__ import annotations
@@ -39,27 +39,38 @@ IMAGE_ENV = {
 # SIGKILL: verifiers runs `sleep infinity` as a container's init, which ignores SIGTERM, and removes the container
 # with `rm --force`, which would wait out the 10 s stop timeout (and block the event loop: its cleanup is synchronous)
 CHANGES = [*(f"ENV {key}={value}" for key, value in IMAGE_ENV.items()), 'CMD ["/bin/sh"]', "STOPSIGNAL SIGKILL"]
-RECIPE_VERSION = 1  # bump when the build below changes what it makes
+INSTALL = {"podman": "apt-get install -y podman runc", "docker": "apt-get install -y docker.io"}
+BUILD = {"podman": "trace-rl sandbox build", "docker": "trace-rl sandbox build --engine docker"}
+RECIPE_VERSION = 2  # bump when the build below changes what it makes
 
 
 class ImageError(RefusedError):
     """The image cannot be built or imported here; its message is one line naming the fix."""
 
 
-def chat_program() -> tuple[str, str]:
-    """The program verifiers' `bash` harness installs (`Runtime.prepare_uv_script`): its path in a container
-    runtime and its source."""
+def harness_programs() -> list[tuple[str, str]]:
+    """The programs verifiers' harnesses install with uv (`Runtime.prepare_uv_script`): the `bash` harness's chat
+    program and `mini_swe_agent`'s (at its default pinned version), each as its path in a container runtime and
+    its source."""
+    from verifiers.v1.harnesses.mini_swe_agent.harness import PROGRAM_SOURCE, MiniSWEAgentHarnessConfig
     from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
     from verifiers.v1.runtimes.base import Runtime
 
-    digest = hashlib.sha256(CHAT_PROGRAM_SOURCE.encode()).hexdigest()
-    return f"{Runtime.scripts_dir}/{digest}.py", CHAT_PROGRAM_SOURCE
+    sources = [CHAT_PROGRAM_SOURCE, PROGRAM_SOURCE.replace("{version}", MiniSWEAgentHarnessConfig().version)]
+    return [(f"{Runtime.scripts_dir}/{hashlib.sha256(source.encode()).hexdigest()}.py", source)
+            for source in sources]
 
 
-def harness_requirements() -> list[str]:
-    """The PEP 723 dependencies of the program verifiers' `bash` harness installs, and uv (which installs it)."""
-    header = re.search(r"^# dependencies = (\[.*\])$", chat_program()[1], re.MULTILINE)
-    return ["uv", *json.loads(header.group(1))]
+# what the programs need on the image's Python that pip, evaluating markers on the Python it runs on, leaves out:
+# redis (litellm[proxy] -> rq) wants it before Python 3.11.3, and Debian 12's is 3.11.2
+IMAGE_PYTHON_EXTRAS = ["async-timeout>=4.0.3"]
+
+
+def harness_requirements() -> list[list[str]]:
+    """uv (which installs the harnesses' programs), then the PEP 723 dependencies of each program, each resolved
+    on its own as uv resolves it, then IMAGE_PYTHON_EXTRAS."""
+    headers = [re.search(r"^# dependencies = (\[.*\])$", source, re.MULTILINE) for _, source in harness_programs()]
+    return [["uv"], *(json.loads(header.group(1)) for header in headers), IMAGE_PYTHON_EXTRAS]
 
 
 def recipe() -> dict:
@@ -95,10 +106,11 @@ def stage(folder: Path) -> None:
     """`folder` as the files laid over the Debian root: the harness wheels, and uv's binary out of its wheel."""
     wheels = folder / WHEELS_DIR.lstrip("/")
     wheels.mkdir(parents=True)
-    run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", "3.11",
-         "--implementation", "cp", "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
-         "--platform", "manylinux_2_28_x86_64", "-d", str(wheels), *harness_requirements()],
-        "downloading the harness wheels from PyPI", "check that pip reaches a package index")
+    for requirements in harness_requirements():
+        run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", "3.11",
+             "--implementation", "cp", "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
+             "--platform", "manylinux_2_28_x86_64", "-d", str(wheels), *requirements],
+            "downloading the harness wheels from PyPI", "check that pip reaches a package index")
     projects: dict[str, list[str]] = {}
     for wheel in sorted(wheels.glob("*.whl")):
         projects.setdefault(re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower(), []).append(wheel.name)
@@ -113,9 +125,9 @@ def stage(folder: Path) -> None:
         (member,) = [name for name in archive.namelist() if name.endswith(".data/scripts/uv")]
         binary.write_bytes(archive.read(member))
     binary.chmod(0o755)
-    path, source = chat_program()
-    (folder / path.lstrip("/")).parent.mkdir(parents=True)
-    (folder / path.lstrip("/")).write_text(source)
+    for path, source in harness_programs():
+        (folder / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path.lstrip("/")).write_text(source)
 
 
 def build_root(tar: Path, log: Callable[[str], None]) -> None:
@@ -127,10 +139,10 @@ def build_root(tar: Path, log: Callable[[str], None]) -> None:
         stage(staging)
         log(f"building a Debian {SUITE} root with {', '.join(PACKAGES)} (about a minute)")
         partial = tar.with_suffix(".partial")
-        # the bash harness's program installed where verifiers looks for it (uv keys its environment by the
-        # script's path), so its rollouts start without installing it
-        prewarm = (f"chroot \"$1\" env HOME=/root {' '.join(f'{k}={v}' for k, v in IMAGE_ENV.items())} "
-                   f"uv sync --script {chat_program()[0]} -q --no-config")
+        # the harnesses' programs installed where verifiers looks for them (uv keys a script's environment by its
+        # path), so their rollouts start without installing them
+        prewarm = " && ".join(f"chroot \"$1\" env HOME=/root {' '.join(f'{k}={v}' for k, v in IMAGE_ENV.items())} "
+                              f"uv sync --script {path} -q --no-config" for path, _ in harness_programs())
         run(["mmdebstrap", "--quiet", "--variant=minbase", "--format=tar", f"--include={','.join(PACKAGES)}",
              f"--customize-hook=cp -a {staging}/. \"$1\"/", f"--customize-hook={prewarm}",
              "--customize-hook=rm -rf \"$1\"/var/cache/apt/* \"$1\"/var/lib/apt/lists/*", SUITE, str(partial)],
@@ -143,8 +155,7 @@ def build(tag: str | None = None, engine: str = "podman", force: bool = False,
     """The default image under `tag` (the recipe's) in `engine`'s store: kept if it is there, imported from the
     cached root if that is, built otherwise. Returns the tag."""
     if shutil.which(engine) is None:
-        raise ImageError(f"`{engine}` is not installed: apt-get install -y {engine}"
-                         + (" runc (docs/containers.md#podman)" if engine == "podman" else ""))
+        raise ImageError(f"`{engine}` is not installed: {INSTALL[engine]} (docs/containers.md)")
     tag = tag or default_tag()
     if not force and image_exists(tag, engine):
         log(f"{tag} is there")

@@ -43,11 +43,11 @@ logger = logging.getLogger(__name__)
 TYPE_BWRAP = "bwrap"  # a seat's sandbox runtime (trace_rl.sandbox), the default of trace-rl's chat harness
 # `examples(seed, count)` of a stream (refill rounds): `count` tasks from position seed mod this
 STREAM_DRAW_SPAN = 10_000
-# what a runtime type needs on this machine: an executable on PATH, a daemon's socket, an account's key
+# what a runtime type needs on this machine: an executable on PATH, an account's key (a container engine's needs:
+# trace_rl.containers.engine)
 RUNTIME_NEEDS = {
-    "docker": ("docker", "/var/run/docker.sock", None), "podman": ("podman", None, None),
-    "apptainer": ("apptainer", None, None), "prime": (None, None, "PRIME_API_KEY"),
-    "e2b": (None, None, "E2B_API_KEY"), "modal": (None, None, "MODAL_TOKEN_ID"),
+    "apptainer": ("apptainer", None), "prime": (None, "PRIME_API_KEY"), "e2b": (None, "E2B_API_KEY"),
+    "modal": (None, "MODAL_TOKEN_ID"),
 }
 CONTAINER_ENGINES = ("podman", "docker")  # their default image is trace-rl's, built here (trace_rl.containers)
 # a rollout's container did not start: transient under many concurrent starts (podman's choice of a free host port
@@ -250,10 +250,10 @@ def runtime_lack(kind: str, own_harness: bool) -> str | None:
         if lacking or own_harness:
             return lacking
     local = kind in ("subprocess", TYPE_BWRAP)
-    executable, socket, key = ("uv", None, None) if local else RUNTIME_NEEDS.get(kind, (None,) * 3)
+    executable, key = ("uv", None) if local else RUNTIME_NEEDS.get(kind, (None, None))
     if local and own_harness:
         return None
-    if kind == "podman":
+    if kind in CONTAINER_ENGINES:
         from trace_rl.containers.engine import engine_problem
 
         return engine_problem(kind)
@@ -261,8 +261,6 @@ def runtime_lack(kind: str, own_harness: bool) -> str | None:
         return "`uv` (`pip install uv` into this Python's environment, as `make setup` does, or put uv on PATH)"
     if executable and shutil.which(executable) is None:
         return f"`{executable}` on PATH"
-    if socket and not (os.path.exists(socket) or os.environ.get("DOCKER_HOST")):
-        return f"a running {kind} daemon ({socket})"
     if key and not os.environ.get(key):
         return f"{key} set (an account of that sandbox provider)"
     return None
@@ -489,15 +487,18 @@ class VerifiersEnv(Environment):
         return self._env
 
     def sweep_containers(self) -> None:
-        """Before a container seat's first rollout: label this process's containers with its pid, and remove those
-        of trace-rl processes that are gone (a run killed with rollouts in flight, resumed here)."""
+        """Before a container seat's first rollout: label this process's containers with its pid, remove those
+        of trace-rl processes that are gone (a run killed with rollouts in flight, resumed here), and start a
+        restricted podman seat's rollouts in one container each (`trace_rl.containers.runtime`)."""
         from verifiers.v1.configs.agent import agent_config_fields
 
         from trace_rl.containers.engine import claim_scope, sweep
+        from trace_rl.containers.runtime import install
 
         engines = {seat.runtime.type for seat in agent_config_fields(self.config).values()} & set(CONTAINER_ENGINES)
         if engines:
             claim_scope()
+            install()
         for engine in engines:
             if removed := sweep(engine):
                 logger.warning("removed %d %s containers that trace-rl processes killed earlier left behind: %s",
