@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 DEMO_CONFIG = "configs/math.toml"
 DTYPES = ("auto", "float32")
@@ -39,26 +38,13 @@ def demo_config(storage: str, dtype: str, steps: int):
                                      f"storage={json.dumps(storage)}", f"steps={steps}"])
 
 
-def stepper(config, timers):
-    """A function running step `s` of `config` alone: its wall seconds, timed stages and trainer metrics."""
-    from trace_rl.pipeline.session import session_for
-    from trace_rl.pipeline.step import run_step
-    from trace_rl.runs.start import prepare_run
-
-    prepare_run(config, "new")
-    session = session_for(config)
-
-    def step_once(step: int) -> dict:
-        timers.take()
-        started = time.perf_counter()
-        result = run_step(session, step)
-        wall = time.perf_counter() - started
-        timed = timers.take()
-        return {"step": step, "wall": wall, "sampling": timed.get("sample_rollouts", 0.0),
-                "trainer": timed.get("trainer/compute", 0.0), "train_stage": timed.get("train", 0.0),
-                "metrics": result["train"]["metrics"], "load": os.getloadavg()[0]}
-
-    return step_once
+def demo_row(row: dict) -> dict:
+    """A `bench.step.library_stepper` row as this bench records it: wall, sampling and trainer seconds, the train
+    stage's, and the trainer's metrics."""
+    timed = row["timed"]
+    return {"step": row["step"], "wall": row["wall"], "sampling": timed.get("sample_rollouts", 0.0),
+            "trainer": timed.get("trainer/compute", 0.0), "train_stage": timed.get("train", 0.0),
+            "metrics": row["train_metrics"], "load": os.getloadavg()[0]}
 
 
 def demo_model(config):
@@ -91,6 +77,7 @@ def summary(rows: list[dict], model, rate: float) -> dict:
 def run(steps: int) -> dict:
     import torch
 
+    from bench.step import library_stepper
     from bench.timers import pipeline_timers
     from bench.trainer import matmul_flops_per_s
     from trace_rl.models.dtype import choose_dtype, cpu_flags
@@ -100,11 +87,11 @@ def run(steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-demo-dtype-") as home, pipeline_timers() as timers:
         configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps) for dtype in DTYPES}
         model = demo_model(configs["float32"])
-        steppers = {dtype: stepper(configs[dtype], timers) for dtype in DTYPES}
+        steppers = {dtype: library_stepper(configs[dtype], timers) for dtype in DTYPES}
         rows: dict[str, list[dict]] = {dtype: [] for dtype in DTYPES}
         for step in range(1, steps + 1):
             for dtype in (DTYPES if step % 2 else DTYPES[::-1]):
-                rows[dtype].append(steppers[dtype](step))
+                rows[dtype].append(demo_row(steppers[dtype](step)))
                 row = rows[dtype][-1]
                 print(json.dumps({"dtype": dtype, **{k: v for k, v in row.items() if k != "metrics"},
                                   **{k: row["metrics"][k] for k in ("tokens", "output_positions")}}),

@@ -132,7 +132,8 @@ def run(steps: int = STEPS) -> dict:
 
 
 def library_stepper(config, timers):
-    """A function running step `s` of `config` through `trace_rl.pipeline.step.run_step` alone, timed."""
+    """A function running step `s` of `config` through `trace_rl.pipeline.step.run_step` alone: its wall seconds,
+    timed stages, and the rollouts' and trainer's metrics."""
     from trace_rl.pipeline.session import session_for
     from trace_rl.pipeline.step import run_step
     from trace_rl.runs.start import prepare_run
@@ -145,9 +146,15 @@ def library_stepper(config, timers):
         started = time.perf_counter()
         result = run_step(session, step)
         return {"step": step, "wall": time.perf_counter() - started, "timed": timers.take(),
-                "reward": result["rollouts"]["metrics"][REWARD_KEY]}
+                "rollout_metrics": result["rollouts"]["metrics"], "train_metrics": result["train"]["metrics"]}
 
     return step_once
+
+
+def reward_row(row: dict) -> dict:
+    """A `library_stepper` row as this bench records it: its wall, timed stages and reward."""
+    return {"step": row["step"], "wall": row["wall"], "timed": row["timed"],
+            "reward": row["rollout_metrics"][REWARD_KEY]}
 
 
 def run_interleaved(flow_config, library_step, timers) -> dict:
@@ -166,7 +173,7 @@ def run_interleaved(flow_config, library_step, timers) -> dict:
     def timed_step(config, step, **kwargs):
         attach_around()
         if step % 2 == 0:
-            rows["library"].append(library_step(step))
+            rows["library"].append(reward_row(library_step(step)))
         timers.take()
         started = time.perf_counter()
         result = subflow(config, step, **kwargs)
@@ -175,7 +182,7 @@ def run_interleaved(flow_config, library_step, timers) -> dict:
                              "flow_clock": {k.removeprefix("time/"): v for k, v in result["metrics"].items()
                                             if k.startswith("time/")}})
         if step % 2 == 1:
-            rows["library"].append(library_step(step))
+            rows["library"].append(reward_row(library_step(step)))
         return result
 
     flows.train.step_flow = timed_step
