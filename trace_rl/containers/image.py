@@ -36,9 +36,11 @@ IMAGE_ENV = {
     "UV_DEFAULT_INDEX": f"file://{INDEX_DIR}", "UV_PYTHON_DOWNLOADS": "never", "UV_PYTHON_PREFERENCE": "only-system",
     "UV_LINK_MODE": "copy",
 }
-# SIGKILL: verifiers runs `sleep infinity` as a container's init, which ignores SIGTERM, and removes the container
-# with `rm --force`, which would wait out the 10 s stop timeout (and block the event loop: its cleanup is synchronous)
-CHANGES = [*(f"ENV {key}={value}" for key, value in IMAGE_ENV.items()), 'CMD ["/bin/sh"]', "STOPSIGNAL SIGKILL"]
+CHANGES = [*(f"ENV {key}={value}" for key, value in IMAGE_ENV.items()), 'CMD ["/bin/sh"]']
+# verifiers runs `sleep infinity` as a container's init, which ignores SIGTERM, and removes the container with
+# `rm --force`: podman's stops it first and would wait out the 10 s stop timeout (blocking the event loop: verifiers'
+# cleanup is synchronous) unless the stop signal is SIGKILL; docker's kills at once, and its import takes no STOPSIGNAL
+ENGINE_CHANGES = {"podman": [*CHANGES, "STOPSIGNAL SIGKILL"], "docker": CHANGES}
 INSTALL = {"podman": "apt-get install -y podman runc", "docker": "apt-get install -y docker.io"}
 BUILD = {"podman": "trace-rl sandbox build", "docker": "trace-rl sandbox build --engine docker"}
 RECIPE_VERSION = 2  # bump when the build below changes what it makes
@@ -77,7 +79,7 @@ def recipe() -> dict:
     from importlib.metadata import version
 
     return {"version": RECIPE_VERSION, "suite": SUITE, "packages": list(PACKAGES),
-            "requirements": harness_requirements(), "python": "3.11", "changes": CHANGES,
+            "requirements": harness_requirements(), "python": "3.11", "changes": ENGINE_CHANGES["podman"],
             "verifiers": version("verifiers")}
 
 
@@ -165,7 +167,7 @@ def build(tag: str | None = None, engine: str = "podman", force: bool = False,
         tar.parent.mkdir(parents=True, exist_ok=True)
         build_root(tar, log)
     log(f"importing {tar} as {tag}")
-    run([engine, "import", *(arg for change in CHANGES for arg in ("--change", change)), str(tar), tag],
-        f"{engine} import", "see `podman import --help`")
-    run([engine, "tag", tag, NETWORK_IMAGE], f"{engine} tag", "see `podman tag --help`")
+    run([engine, "import", *(arg for change in ENGINE_CHANGES[engine] for arg in ("--change", change)), str(tar), tag],
+        f"{engine} import", f"see `{engine} import --help`")
+    run([engine, "tag", tag, NETWORK_IMAGE], f"{engine} tag", f"see `{engine} tag --help`")
     return tag
