@@ -97,7 +97,7 @@ def test_a_multi_turn_env_splices_the_first_turn_and_matches_recomputed_logprobs
         assert np.abs(expected - branch.logprobs[branch.sampled]).mean() <= 1e-4
 
 
-def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
+def test_bad_verifiers_args_are_refused_in_one_line(tmp_path, monkeypatch):
     from trace_rl.config import ConfigError
 
     def problem(args: dict, **env) -> str:
@@ -112,8 +112,10 @@ def test_bad_verifiers_args_are_refused_in_one_line(tmp_path):
     assert "args.taskset.id = 'no_such_tasks'" in problem({"taskset": {"id": "no_such_tasks"}})
     assert "args.max_concurrent_agents" in problem({"taskset": {"id": "addition_tasks"}, "max_concurrent_agents": 0})
     assert "verifiers' EnvConfig" in problem({"taskset": {"id": "addition_tasks"}, "max_concurrent_agents": 0})
-    lacking = problem({"taskset": {"id": "addition_tasks"},
-                       "agent": {"harness": {"id": "null"}, "runtime": {"type": "docker"}}})
+    with monkeypatch.context() as without_docker:
+        without_docker.setenv("PATH", "/nonexistent")
+        lacking = problem({"taskset": {"id": "addition_tasks"},
+                           "agent": {"harness": {"id": "null"}, "runtime": {"type": "docker"}}})
     assert "'docker' runtime" in lacking and "this machine lacks it" in lacking
     assert "import_paths: 'no/such/folder'" in problem({"taskset": {"id": "addition_tasks"}},
                                                          import_paths=["no/such/folder"])

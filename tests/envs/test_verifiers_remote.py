@@ -132,13 +132,14 @@ def test_the_env_server_command_refuses_an_env_without_a_verifiers_server(tmp_pa
                     "name one that is")
 
 
-def test_the_seats_runtimes_are_the_env_servers_to_have(tmp_path, capsys):
+def test_the_seats_runtimes_are_the_env_servers_to_have(tmp_path, capsys, monkeypatch):
     from flows.cli import main
 
     data = served_run(tmp_path, "vf-docker", "tcp://127.0.0.1:5000", "http://127.0.0.1:1")
     data["env"][0]["args"]["agent"] = {"harness": {"id": "null"}, "runtime": {"type": "docker"}}
     path = tmp_path / "docker.toml"
     path.write_text(config_to_toml(validate_config(data)))  # the trainer's machine needs no docker
+    monkeypatch.setenv("PATH", "/nonexistent")  # an env server's machine without docker
     assert main(["verifiers-env-server", str(path)]) != 0  # the env server's does
     (line,) = capsys.readouterr().err.splitlines()[-1:]
     assert "harness 'null' runs in the 'docker' runtime" in line and "this machine lacks it" in line
