@@ -66,12 +66,12 @@ def test_a_run_killed_with_sandboxes_running_leaves_none_and_resumes_bitwise(pre
         assert time.monotonic() < deadline, "kill point never reached"
         if storage.exists(storage.step_path(1, "traces.parquet")):
             inside = sandboxed(run.pid)
-            if any(command(pid) == "sleep 600" for pid in inside):
+            # read while they run: a program's sandbox (its daemon, mounts and folder) ends with it, within a second
+            namespaces = {mount_namespace(pid) for pid in inside} - {None, mount_namespace(os.getpid())}
+            folders = sorted(default_root().glob(f"{run.pid}-*"))
+            if any(command(pid) == "sleep 600" for pid in inside) and namespaces and folders:
                 break
         time.sleep(0.005)
-    namespaces = {mount_namespace(pid) for pid in inside} - {None, mount_namespace(os.getpid())}
-    folders = sorted(default_root().glob(f"{run.pid}-*"))
-    assert namespaces and folders
     os.kill(run.pid, signal.SIGKILL)  # the train process alone: its sandboxes must not outlive it
     run.wait()
     killed = time.monotonic()
