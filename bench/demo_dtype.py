@@ -44,7 +44,7 @@ def demo_row(row: dict) -> dict:
     timed = row["timed"]
     return {"step": row["step"], "wall": row["wall"], "sampling": timed.get("sample_rollouts", 0.0),
             "trainer": timed.get("trainer/compute", 0.0), "train_stage": timed.get("train", 0.0),
-            "metrics": row["train_metrics"], "load": os.getloadavg()[0]}
+            "metrics": row["train_metrics"], "load": os.getloadavg()[0], "timed": timed}
 
 
 def demo_model(config):

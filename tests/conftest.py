@@ -40,6 +40,16 @@ def _isolated_home(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reaper():
+    """The test session's reaper (trace_rl.machine.reaper): the servers and runs the tests start, each in a process
+    group of its own (`process_group=0`, so that killpg stops it with what it started) but in pytest's session, die
+    with pytest also where it ends without its teardown (SIGTERM, SIGKILL)."""
+    from trace_rl.machine import reaper
+
+    reaper.start()
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's server mode) on loopback, with a bucket `trace-rl-test`."""
@@ -94,7 +104,7 @@ def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
          "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION,
          "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1", "--enable-scale-out"],
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, process_group=0,
     )
     wait_for_port(port, 300, proc)
     return proc

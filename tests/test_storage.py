@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -123,6 +124,30 @@ def test_upload_and_download_dir(storage, tmp_path):
     storage.download_dir(target, str(tmp_path / "dst"))
     assert (tmp_path / "dst" / "sub" / "b.bin").read_bytes() == b"\x00\x01"
     assert not (tmp_path / "dst" / "STABLE").exists()
+
+
+def test_a_staged_directory_is_stable_once_written_and_gone_when_its_writer_fails(storage, tmp_path):
+    """Locally the files are written in place (once); elsewhere staged and uploaded. Either way STABLE comes
+    last, a rewrite replaces the old files, and a writer that raises leaves no directory a reader takes."""
+    target = storage.path("weights", "000002")
+    storage.fs.makedirs(target, exist_ok=True)
+    storage.write_atomic(f"{target}/stale.bin", b"old")
+    with storage.staged_dir(target) as staging:
+        local = storage.protocol in ("file", "local")
+        assert (staging == target) == local
+        assert not storage.is_stable(target)
+        os.makedirs(os.path.join(staging, "sub"))
+        with open(os.path.join(staging, "sub", "b.bin"), "wb") as f:
+            f.write(b"\x00\x01")
+    assert storage.latest_stable("weights") == 2
+    assert storage.read_bytes(f"{target}/sub/b.bin") == b"\x00\x01"
+    assert not storage.exists(f"{target}/stale.bin")
+    failed = storage.path("weights", "000003")
+    with pytest.raises(OSError, match="disk on fire"), storage.staged_dir(failed) as staging:
+        open(os.path.join(staging, "model.safetensors"), "wb").close()
+        raise OSError("disk on fire")
+    assert storage.stable_steps("weights") == [2]
+    assert not storage.exists(failed) or not storage.fs.find(failed)
 
 
 def test_killed_writer_process_leaves_no_complete_file(tmp_path):

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import posixpath
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -205,6 +206,30 @@ class RunStorage:
                         self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
                         self.fs.put_file(local, target)
         except StorageFullError:
+            self.remove(directory)
+            raise
+        self.mark_stable(directory)
+
+    @contextmanager
+    def staged_dir(self, directory: str) -> Iterator[str]:
+        """A local folder to write `directory`'s files into; once the block ends, `directory` holds them, STABLE.
+
+        On a local disk the folder is `directory` itself, so its files are written once (a weights export
+        written to a temporary folder and then copied took twice the time: 2.7 s against 1.3 s for SmolLM2-135M's
+        540 MB on the AMX Xeon); elsewhere it is a temporary folder that `upload_dir` copies. A block that raises
+        leaves no STABLE marker, and locally nothing of the directory.
+        """
+        if self.protocol not in ("file", "local"):
+            with tempfile.TemporaryDirectory(prefix="trace-rl-staging-") as staging:
+                yield staging
+                self.upload_dir(staging, directory)
+            return
+        self.remove(directory)
+        try:
+            with self.writing(directory):
+                os.makedirs(directory)
+                yield directory
+        except BaseException:
             self.remove(directory)
             raise
         self.mark_stable(directory)

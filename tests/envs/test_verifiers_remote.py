@@ -43,7 +43,7 @@ def start_env_server(config_path: Path, address: str, log) -> subprocess.Popen:
     """`trace-rl verifiers-env-server CONFIG` in its own process group; returns once it answers."""
     process = subprocess.Popen([sys.executable, "-m", "flows.cli", "verifiers-env-server", str(config_path)],
                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, process_group=0)
     deadline = time.monotonic() + 120
     while not answers(address):
         assert process.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]

@@ -150,7 +150,7 @@ def test_a_streamed_run_killed_and_resumed_takes_the_next_tasks_each_step(prefec
     storage = RunStorage(str(tmp_path / "runs"), "stream")
     log = open(tmp_path / "killed.log", "w+")  # noqa: SIM115 - read on failure
     process = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", str(config)], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=log, process_group=0)
     deadline = time.monotonic() + 300
     while not storage.exists(storage.step_path(2, "traces.parquet")):  # killed inside step 2
         assert process.poll() is None, log.seek(0) or log.read()[-3000:]

@@ -32,7 +32,7 @@ def start(config: Path, *flags: str, kill_at: tuple[str, int] | None = None) -> 
     log = open(config.with_suffix(f".{time.monotonic_ns()}.log"), "w+")  # noqa: SIM115 - read by output()
     cli = ["flows.cli"] if kill_at is None else ["tests.flows.kill_at", kill_at[0], str(kill_at[1])]
     process = subprocess.Popen([sys.executable, "-m", *cli, "train", str(config), *flags], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=log, text=True, process_group=0)
     process.log = log
     return process
 

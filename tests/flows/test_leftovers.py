@@ -76,7 +76,7 @@ def test_a_script_calling_the_train_flow_takes_its_engine_and_workers_along_when
                           trainer={"lr": 1e-3, "micro_batch_tokens": 1024, "num_processes": 2, "device": "cpu"})
     with open(tmp_path / "called.log", "w") as log:
         script = subprocess.Popen([sys.executable, "-c", CALL_THE_FLOW, str(config)], cwd=ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                  stderr=subprocess.STDOUT, process_group=0)
     try:
         started(script.pid, script, engine_core, torchrun_with_ranks)  # the workers start at step 1's training
         kill_alone_and_check_nothing_is_left(script.pid)
@@ -118,7 +118,7 @@ def test_a_flow_run_of_serve_killed_leaves_nothing_and_serve_goes_on(prefect_api
     config = write_config(tmp_path, "served", tiny_model_path)
     with open(tmp_path / "serve.log", "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)], cwd=ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                  stderr=subprocess.STDOUT, process_group=0)
     try:
         killed_run = start_flow_run(prefect_api, "served", server)
         (engine,) = started(server.pid, server, engine_core)

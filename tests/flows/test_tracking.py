@@ -33,7 +33,7 @@ def mlflow_server(tmp_path_factory):
         proc = subprocess.Popen(
             [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root / "artifacts")],
-            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=log, process_group=0,
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,6 +9,7 @@ import torch
 
 from tests.trainer.conftest import make_batch, storage_for
 from tests.trainer.test_trainer import exported
+from trace_rl.errors import StorageFullError
 from trace_rl.storage import step_name
 from trace_rl.tables import write_batch
 from trace_rl.trainer import checkpoint
@@ -130,15 +131,16 @@ def test_a_failed_background_write_leaves_no_stable_marker_and_is_raised_by_the_
     trainer = Trainer(config, store)
     trainer.optimizer_step(1, make_batch(101))
 
-    def full_disk(local_dir, directory):
-        store.fs.makedirs(directory, exist_ok=True)
+    def full_disk(obj, path):
+        open(path, "wb").close()  # half written
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store, "upload_dir", full_disk)
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
     trainer.save_checkpoint(1, {}, background=True)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(StorageFullError, match="No space left"):
         trainer.save_checkpoint(2, {})
     assert store.stable_steps("checkpoints") == []
+    assert not store.exists(checkpoint.checkpoint_dir(store, 1))  # the partial write does not hold the room
     checkpoint.WRITER.wait()  # the error was raised once
 
 

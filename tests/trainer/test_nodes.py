@@ -76,7 +76,7 @@ def start_node(path: Path, log: Path, *extra: str) -> subprocess.Popen:
     """`trace-rl trainer-node PATH --node-rank 1` in a process group of its own."""
     with open(log, "a") as out:
         return subprocess.Popen([sys.executable, "-m", "flows.cli", "trainer-node", str(path), "--node-rank", "1",
-                                 *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                 *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0)
 
 
 def finished(node: subprocess.Popen, log: Path) -> int:

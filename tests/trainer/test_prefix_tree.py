@@ -142,9 +142,12 @@ class OpCounts(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.attention_dtypes: set[torch.dtype] = set()  # of the attention ops' query
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
+        if "attention" in func.overloadpacket.__name__:
+            self.attention_dtypes.add(args[0].dtype)
         return func(*args, **(kwargs or {}))
 
 
@@ -167,6 +170,7 @@ def test_packed_attention_equals_each_sample_attending_alone_with_gradients(tree
         (out * weights.to(dtype)).sum().backward()
     assert sum(n for name, n in ops.counts.items() if "attention" in name) == 2  # the forward and its backward
     assert ops.counts["cat"] == 0
+    assert ops.attention_dtypes == {torch.float32}  # a bfloat16 row attends in float32 on CPU (varlen.py)
     alone_q, alone_k, alone_v = (x.detach().float().requires_grad_() for x in (q, k, v))
     expected = torch.zeros(out.shape)
     for path in tree.paths:

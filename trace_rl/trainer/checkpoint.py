@@ -7,8 +7,8 @@ A checkpoint holds one torch file per part:
     trainer.pt      step, LR scheduler state, RNG states (python, numpy, torch, cuda)
     extra_state.pt  state of stateful algorithms (e.g. rae), as given by the pipeline
 
-Parts are staged in a local directory and uploaded through `RunStorage`, whose
-`upload_dir` writes the STABLE marker after the last file; a reader only ever
+Parts are written through `RunStorage.staged_dir` (into the checkpoint's directory on a local disk, else
+into a local folder then uploaded), which writes the STABLE marker after the last file; a reader only ever
 sees complete checkpoints. A checkpoint is written every `ckpt.interval`-th step
 (weights every step); `prune` keeps the last `ckpt.keep` of each, and the weights of every
 `ckpt.keep_weights_every`-th step.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import tempfile
 import threading
 import time
 from typing import Any
@@ -77,13 +76,12 @@ def save_checkpoint(storage: RunStorage, step: int, parts: dict[str, Any]) -> st
     if missing:
         raise ValueError(f"checkpoint for step {step} lacks parts {sorted(missing)}")
     directory = checkpoint_dir(storage, step)
-    with tempfile.TemporaryDirectory(prefix="trace-rl-ckpt-") as staging:
+    with storage.staged_dir(directory) as staging:
         for name in PARTS:
             path = os.path.join(staging, f"{name}.pt")
             torch.save(parts[name], path)
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-        storage.upload_dir(staging, directory)
     return directory
 
 

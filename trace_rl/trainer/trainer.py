@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -597,11 +596,10 @@ class Trainer:
         state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
         directory = self.storage.path(checkpoint.WEIGHTS, step_name(step))
         if self.rank == 0:
-            with tempfile.TemporaryDirectory(prefix="trace-rl-weights-") as staging:
+            with self.storage.staged_dir(directory) as staging:
                 self.module.save_pretrained(staging, state_dict=state, safe_serialization=True)
                 set_config_dtype(os.path.join(staging, "config.json"), self.dtype)
                 self.tokenizer.save_pretrained(staging)
-                self.storage.upload_dir(staging, directory)
         if self.distributed:
             dist.barrier()
         return directory
@@ -618,11 +616,10 @@ class Trainer:
         adapter = get_peft_model_state_dict(self.peft)
         directory = self.storage.path(checkpoint.WEIGHTS, step_name(step))
         if self.rank == 0:
-            with tempfile.TemporaryDirectory(prefix="trace-rl-adapter-") as staging:
+            with self.storage.staged_dir(directory) as staging:
                 tensors = {name: value.detach().to("cpu", self.dtype).contiguous() for name, value in adapter.items()}
                 save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
                 self.peft.peft_config["default"].save_pretrained(staging)
-                self.storage.upload_dir(staging, directory)
         if self.distributed:
             dist.barrier()
         return directory
