@@ -22,6 +22,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,6 +38,20 @@ from trace_rl.version import VERSION, VERSION_FILE, unreadable_version, version_
 STABLE = "STABLE"
 NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 RUN_MARKERS = ("config.toml", "replay.json")  # a directory holding one of these is a run (or a replay's --out)
+
+
+def no_room_errno(exc: BaseException) -> int | None:
+    """The errno (in NO_ROOM) of a write that found no room, behind `exc`: an OSError in its chain of causes, or a
+    Rust I/O error's "(os error N)" in a message (safetensors writes its files from Rust); None for other errors."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in NO_ROOM:
+            return seen.errno
+        found = re.search(r"\(os error (\d+)\)", str(seen))
+        if found and int(found.group(1)) in NO_ROOM:
+            return int(found.group(1))
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def step_name(step: int) -> str:
@@ -129,11 +144,12 @@ class RunStorage:
         """Turn a full disk, quota or file-size limit met while writing `what` into a StorageFullError."""
         try:
             yield
-        except OSError as exc:
-            if exc.errno not in NO_ROOM:
+        except Exception as exc:
+            code = no_room_errno(exc)
+            if code is None or isinstance(exc, StorageFullError):
                 raise
             raise StorageFullError(
-                f"no room to write {self.url_of_path(what)}: {exc.strerror}. It is not marked complete and the "
+                f"no room to write {self.url_of_path(what)}: {os.strerror(code)}. It is not marked complete and the "
                 f"run's last STABLE checkpoint is untouched: free space (or set `storage` to a larger place), "
                 f"then `trace-rl train --resume`") from exc
 

@@ -131,8 +131,8 @@ def test_a_failed_background_write_leaves_no_stable_marker_and_is_raised_by_the_
     trainer = Trainer(config, store)
     trainer.optimizer_step(1, make_batch(101))
 
-    def full_disk(obj, path):
-        open(path, "wb").close()  # half written
+    def full_disk(obj, file):
+        file.write(b"half written")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)

@@ -78,9 +78,11 @@ def save_checkpoint(storage: RunStorage, step: int, parts: dict[str, Any]) -> st
     directory = checkpoint_dir(storage, step)
     with storage.staged_dir(directory) as staging:
         for name in PARTS:
-            path = os.path.join(staging, f"{name}.pt")
-            torch.save(parts[name], path)
-            with open(path, "rb") as f:
+            # through a Python file: a full disk then raises the OSError (ENOSPC) that names it, where torch's own
+            # writer raises an iostream error that does not
+            with open(os.path.join(staging, f"{name}.pt"), "wb") as f:
+                torch.save(parts[name], f)
+                f.flush()
                 os.fsync(f.fileno())
     return directory
 
