@@ -97,8 +97,10 @@ def deployment_id(api_url: str, deployment: str, server: subprocess.Popen, timeo
 
 
 def start_flow_run(api_url: str, deployment: str, server: subprocess.Popen) -> str:
-    response = httpx.post(f"{api_url}/deployments/{deployment_id(api_url, deployment, server)}/create_flow_run",
-                          json={}, timeout=10)
+    url = f"{api_url}/deployments/{deployment_id(api_url, deployment, server)}/create_flow_run"
+    deadline = time.monotonic() + 60
+    while (response := httpx.post(url, json={}, timeout=10)).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(1)  # the session's Prefect server, busy under the suite's load, asks to come back
     response.raise_for_status()
     return response.json()["id"]
 

@@ -205,9 +205,11 @@ class Sandbox:
         try:
             command = self.argv(argv, env, server)
             command[1:1] = ["--info-fd", str(report)]
-            # a session of its own: verifiers signals a live process's group (`SubprocessProcess.kill`)
+            # a process group of its own: verifiers signals a live process's group (`SubprocessProcess.kill`); in
+            # this process's session, so that its reaper kills it too where bwrap's --die-with-parent comes too late
+            # (this process killed before bwrap armed it)
             process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
-                                                           start_new_session=True, **streams)
+                                                           process_group=0, **streams)
             os.close(report)
             report = -1
             info = await asyncio.to_thread(read_all, status)  # bwrap closes it once the sandbox has started

@@ -32,6 +32,7 @@ of the trainer's time. Attention's FLOPs are a few percent of the step's, and fl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -181,11 +182,14 @@ def packed_sdpa_attention(
     def batch(tensor: torch.Tensor, index: torch.Tensor, longest: int) -> torch.Tensor:
         return GatherRows.apply(tensor, index).view(segments, longest, *tensor.shape[1:]).transpose(1, 2)
 
-    out = torch.nn.functional.scaled_dot_product_attention(
-        batch(q, row.queries, row.longest), batch(k, row.keys, row.longest_keys),
-        batch(v, row.keys, row.longest_keys), attn_mask=row.mask, dropout_p=dropout, scale=scaling,
-        is_causal=row.mask is None, enable_gqa=gqa,
-    )
+    # autocast (FSDP's bfloat16 computes under it) would take an upcast row's attention back to bfloat16
+    upcast = dtype != query.dtype
+    with torch.autocast(query.device.type, enabled=False) if upcast else contextlib.nullcontext():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            batch(q, row.queries, row.longest), batch(k, row.keys, row.longest_keys),
+            batch(v, row.keys, row.longest_keys), attn_mask=row.mask, dropout_p=dropout, scale=scaling,
+            is_causal=row.mask is None, enable_gqa=gqa,
+        )
     out = GatherRows.apply(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]), row.outputs)
     return out.to(query.dtype)[None], None
 
