@@ -232,8 +232,8 @@ class RunStorage:
 
         On a local disk the folder is `directory` itself, so its files are written once (a weights export
         written to a temporary folder and then copied took about twice the time: 2.4-2.8 s against 1.4 s for
-        SmolLM2-135M's 540 MB on the AMX Xeon); elsewhere it is a temporary folder that `upload_dir` copies. A block that raises
-        leaves no STABLE marker, and locally nothing of the directory.
+        SmolLM2-135M's 540 MB on the AMX Xeon); elsewhere it is a temporary folder that `upload_dir` copies.
+        A block that raises leaves no STABLE marker, and locally nothing of the directory.
         """
         if self.protocol not in ("file", "local"):
             with tempfile.TemporaryDirectory(prefix="trace-rl-staging-") as staging:
