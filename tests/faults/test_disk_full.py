@@ -46,12 +46,13 @@ def test_a_full_disk_fails_the_step_clearly_and_resume_finishes_it(prefect_api, 
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     log = done.stdout + done.stderr
     assert (out / "full.rc").read_text() == "1\n", log[-3000:]
-    # step 2's checkpoint (in the background) and its weights are written at once: whichever meets the full disk
-    # first fails the step; the checkpoint (5 MiB in the 3 MiB left) never fits, the weights may
+    # step 2's checkpoint (in the background), its weights and its JSON files are written at once: whichever meets
+    # the full disk first fails the step; the checkpoint (5 MiB in the 3 MiB left) never fits, the weights may
     run = f"{runs}/disk-full"
+    step_two = r"(checkpoints/000002|weights/000002|steps/000002/\w+\.json)"
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.match(
-        rf"error: no room to write {re.escape(run)}/(checkpoints|weights)/000002: No space left on device\. It is "
+        rf"error: no room to write {re.escape(run)}/{step_two}: No space left on device\. It is "
         "not marked complete and the run's last STABLE checkpoint is untouched", errors[0]), log[-3000:]
     # after the failure: step 1 complete; of step 2's checkpoint nothing is left (its partial copy removed); its
     # weights are whole or absent (the resume rewrites them)
