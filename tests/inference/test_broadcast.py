@@ -10,12 +10,16 @@ import numpy as np
 import pytest
 from safetensors.torch import save_file
 import torch
+from transformers import AutoModelForCausalLM
 
-from tests.inference.conftest import UPDATED_STEP, save_updated_model, trainer_logprobs
+from tests.conftest import VLLM_ENGINE
+from tests.inference.conftest import UPDATED_STEP, model_logprobs, save_updated_model, trainer_logprobs
 from trace_rl.inference.broadcast import BroadcastError, broadcast_weights
+from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.storage import RunStorage
 
 TOLERANCE = 2e-4
+BFLOAT16_TOLERANCE = 5e-2  # a bfloat16 engine against the bfloat16 trainer: 2e-3 before a reload, 1.1e-2 after
 
 
 @pytest.fixture
@@ -101,3 +105,31 @@ def test_reload_never_serves_prefix_cached_kv_of_the_old_weights(vllm_runtime, t
     new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
     expected = trainer_logprobs(new_dir, second + generation.token_ids, 0.8)[len(second):]
     np.testing.assert_allclose(generation.logprobs, expected, atol=TOLERANCE)
+
+
+@pytest.mark.vllm
+def test_a_bfloat16_engine_computes_float32_logits_with_the_output_layer_it_reloads(tiny_model_path, updated_weights,
+                                                                                    prompt_ids):
+    """A bfloat16 engine on CPU projects onto the vocabulary with a float32 copy of its output layer, made at start
+    and after each reload (trace_rl/inference/vllm_worker.py): its logprobs follow the trainer's in bfloat16 before
+    and after a broadcast, never the previous weights' output layer."""
+    from trace_rl.inference.vllm_engine import VLLMEngineRuntime
+
+    def trainer_bf16(model_dir: str, tokens: list[int]) -> np.ndarray:
+        return model_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval(), tokens,
+                              1.0)
+
+    runtime = VLLMEngineRuntime(RuntimeConfig(key="bfloat16", name=tiny_model_path, backend="vllm", dtype="bfloat16",
+                                              **VLLM_ENGINE))
+    try:
+        tokens = prompt_ids + [70, 71, 72, 73]
+        before = asyncio.run(runtime.score(tokens))
+        asyncio.run(broadcast_weights(runtime, updated_weights, UPDATED_STEP))
+        after = asyncio.run(runtime.score(tokens))
+    finally:
+        runtime.worker.stop()
+    new_dir = updated_weights.path("weights", f"{UPDATED_STEP:06d}")
+    old, new = trainer_bf16(tiny_model_path, tokens), trainer_bf16(new_dir, tokens)
+    assert np.abs(new - old).max() > 1.0
+    np.testing.assert_allclose(before, old, atol=BFLOAT16_TOLERANCE)
+    np.testing.assert_allclose(after, new, atol=BFLOAT16_TOLERANCE)  # a stale copy was 1.46 off
