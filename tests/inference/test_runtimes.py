@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 
-import psutil
 import pytest
 
 from trace_rl.inference.build import TokenlessRuntime, build_runtime
@@ -47,18 +44,3 @@ def test_build_runtime_picks_backend_and_rejects_tokenless_models(tiny_model_pat
         asyncio.run(judge.generate([1, 2], temperature=1.0, max_tokens=4, top_p=1.0, seed=0))
     with pytest.raises(TypeError, match="cannot score"):
         asyncio.run(judge.score([1, 2]))
-
-
-@pytest.mark.vllm
-def test_the_vllm_model_computes_on_every_core_of_a_small_machine(vllm_runtime):
-    """trace_rl/inference/vllm_engine.py: on a machine of at most SMALL_MACHINE_CORES cores no core is kept for
-    vLLM's scheduler, so its model worker runs one thread per core (vLLM tells it how many in OMP_NUM_THREADS)."""
-    from trace_rl.inference.vllm_engine import SMALL_MACHINE_CORES
-
-    cores = len(os.sched_getaffinity(0))
-    engine_core = psutil.Process(vllm_runtime.worker._processes()[0].pid)
-    [model_worker] = engine_core.children()
-    expected = cores if cores <= SMALL_MACHINE_CORES else cores - 1  # vLLM's own rule: one core kept
-    # the environment it started with (its process title overwrote what psutil reads)
-    environment = (Path("/proc") / str(model_worker.pid) / "environ").read_bytes().split(b"\0")
-    assert f"OMP_NUM_THREADS={expected}".encode() in environment
