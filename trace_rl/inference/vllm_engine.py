@@ -21,11 +21,6 @@ prompt is only partly scheduled, then rewinds that request's seeded generator wi
 `Generator.set_offset`, which CPU generators do not have, so seeded requests crashed the
 engine as soon as a step's prompts exceeded `max_num_batched_tokens`. Without chunking a
 prompt is prefilled in one engine step, so the budget is at least `max_model_len`.
-
-Also on CPU, vLLM keeps one core for its scheduler process and computes on the others. On a machine of
-`SMALL_MACHINE_CORES` cores or fewer that is half of it, so there trace-rl has the model compute on every core
-(`VLLM_CPU_NUM_OF_RESERVED_CPU=0`; a value the user set is kept): the demo's 32 completions of SmolLM2-135M in
-bfloat16 took 2.2 s instead of 3.6 s on a 2-core Xeon (docs/inference.md).
 """
 
 from __future__ import annotations
@@ -63,7 +58,6 @@ EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\
 
 logger = logging.getLogger(__name__)
 
-SMALL_MACHINE_CORES = 2
 KV_HEADROOM = 1.25  # over the step's sequences at full length: vLLM's block rounding, a few requests beyond them
 
 
@@ -219,8 +213,6 @@ class EngineWorker:
         from vllm.platforms import current_platform
 
         arguments = engine_arguments(self._config, current_platform.is_cpu())
-        if current_platform.is_cpu() and len(os.sched_getaffinity(0)) <= SMALL_MACHINE_CORES:
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         if "kv_cache_memory_bytes" in arguments:
             logger.info("%s: %s", self.name, kv_cache_note(self._config, arguments["kv_cache_memory_bytes"]))
         try:
