@@ -55,8 +55,8 @@ class WeightReload:
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         weight = getattr(lm_head, "weight", None)
-        if weight is None or weight.device.type != "cpu" or weight.dtype == torch.float32:
-            return
+        if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+            return  # a float32 model, or a quantized output layer (its weight holds packed values)
         processors = [m for m in model.modules()
                       if isinstance(m, LogitsProcessor) and m.head_dtype == torch.float32]
         if not processors:
