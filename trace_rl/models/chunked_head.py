@@ -61,12 +61,12 @@ def has_float32_out_mm(device_type: str) -> bool:
         return False
 
 
-def float32_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32: the half-precision GEMM with a float32 output where the device has one, else a float32 GEMM
-    of the inputs."""
+def float32_sums(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b in float32: the half-precision GEMM with a float32 output where the device has one (CUDA, whose caching
+    allocator reuses memory without `out`), else a float32 GEMM of the inputs into `out` where given."""
     if a.dtype != torch.float32 and has_float32_out_mm(a.device.type):
         return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+    return torch.mm(a.float(), b.float(), out=out)
 
 
 def logit_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,13 +86,14 @@ class ChunkedLogprobs(torch.autograd.Function):
         positions = hidden.shape[0]
         m = hidden.new_full((positions,), -torch.inf, dtype=torch.float32)
         s, t, target_z = (hidden.new_zeros(positions, dtype=torch.float32) for _ in range(3))
+        buffers = ChunkBuffers(positions, columns, hidden.device)
         for start in range(0, weight.shape[0], columns):
-            z = chunk_logits(left, right, start, columns, temperature, softcap)
+            z = chunk_logits(left, right, start, columns, temperature, softcap, buffers)
             new_m = torch.maximum(m, z.amax(dim=1))
-            e = (z - new_m[:, None]).exp_()
+            e = torch.sub(z, new_m[:, None], out=buffers.take("exps", torch.float32, z.shape[1])).exp_()
             scale = torch.exp(m - new_m)
             s = s * scale + e.sum(dim=1)
-            t = t * scale + torch.linalg.vecdot(e, z)
+            t = t * scale + e.mul_(z).sum(dim=1)
             m = new_m
             inside = (targets >= start) & (targets < start + z.shape[1])
             at = (targets - start).clamp(0, z.shape[1] - 1)
@@ -113,9 +114,10 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         g = grad_logprob.float()
+        buffers = ChunkBuffers(hidden.shape[0], columns, hidden.device)
         for start in range(0, weight.shape[0], columns):
             # in place where a tensor is not read again: a CUDA chunk is 2^29 float32 logits, 2 GB each
-            logits = chunk_logits(left, right, start, columns, None, None)
+            logits = chunk_logits(left, right, start, columns, None, None, buffers)
             capped = torch.tanh(logits / softcap) * softcap if softcap else logits
             z = capped / temperature[:, None] if softcap else capped.div_(temperature[:, None])
             dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g p
@@ -125,23 +127,42 @@ class ChunkedLogprobs(torch.autograd.Function):
             dz.div_(temperature[:, None])
             if softcap:
                 dz.mul_(1 - (capped / softcap) ** 2)
-            dlogits = dz.to(hidden.dtype)
+            dlogits = dz
+            if dz.dtype != hidden.dtype:
+                dlogits = buffers.take("gradient", hidden.dtype, dz.shape[1]).copy_(dz)
             chunk = weight[start:start + columns]
             if need_hidden:
                 grad_hidden += float32_sums(dlogits, chunk) if has_float32_out_mm(chunk.device.type) \
                     else (dlogits @ chunk).float()
             if need_weight:
-                grad_weight[start:start + columns] = dlogits.t() @ hidden
+                torch.mm(dlogits.t(), hidden, out=grad_weight[start:start + columns])
         return (grad_hidden.to(hidden.dtype) if need_hidden else None, grad_weight, None, None, None, None)
 
 
-def chunk_logits(left, right, start: int, columns: int, temperature, softcap) -> torch.Tensor:
-    """The float32 logits of vocabulary rows [start, start + columns) (`logit_operands`); soft-capped and tempered
-    where those are given."""
-    logits = float32_sums(left, right[start:start + columns].t())
+class ChunkBuffers:
+    """Per pass, one tensor of each kind a chunk writes (float32 logits, exponentials, a half-precision gradient),
+    made at its first use and reused by every chunk: a fresh 64 MB tensor per chunk and op costs its page faults
+    each time on a CPU."""
+
+    def __init__(self, positions: int, columns: int, device: torch.device):
+        self.positions, self.columns, self.device = positions, columns, device
+        self.flat: dict[str, torch.Tensor] = {}
+
+    def take(self, kind: str, dtype: torch.dtype, columns: int) -> torch.Tensor:
+        """The `kind` tensor as (positions, columns), columns <= the chunk's."""
+        if kind not in self.flat:
+            self.flat[kind] = torch.empty(self.positions * self.columns, dtype=dtype, device=self.device)
+        return self.flat[kind][:self.positions * columns].view(self.positions, columns)
+
+
+def chunk_logits(left, right, start: int, columns: int, temperature, softcap, buffers: ChunkBuffers) -> torch.Tensor:
+    """The float32 logits of vocabulary rows [start, start + columns) (`logit_operands`), in `buffers`' logits;
+    soft-capped and tempered where those are given."""
+    rows = right[start:start + columns]
+    logits = float32_sums(left, rows.t(), buffers.take("logits", torch.float32, rows.shape[0]))
     if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits if temperature is None else logits / temperature[:, None]
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits if temperature is None else logits.div_(temperature[:, None])
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
