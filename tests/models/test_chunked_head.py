@@ -34,15 +34,19 @@ def problem(dtype, positions=37, vocab=1000, width=48, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_chunked_logprobs_equal_the_float32_heads(dtype, softcap):
+@pytest.mark.parametrize("bfloat16_gemms", [False, True])
+def test_chunked_logprobs_equal_the_float32_heads(dtype, softcap, bfloat16_gemms):
     hidden, weight, targets, temperature, upstream = problem(dtype)
     h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp_ref, entropy_ref, head_weight = reference(h_ref, w_ref, targets, temperature, softcap)
     (lp_ref * upstream).sum().backward()
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     # 256 columns: four chunks, the last one short (1000 = 3 x 256 + 232)
-    lp, entropy = chunked_logprobs(h, w, targets, temperature, softcap=softcap, columns=256)
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    lp, entropy = chunked_logprobs(h, w, targets, temperature, softcap=softcap, columns=256,
+                                   bfloat16_gemms=bfloat16_gemms)
     (lp * upstream).sum().backward()
+    assert torch.backends.mkldnn.matmul.fp32_precision == precision  # the math mode only around the GEMMs
     assert lp.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
     # the same float32 logits (exact products of the rounded inputs) up to summation order
     torch.testing.assert_close(lp, lp_ref.detach(), rtol=0, atol=2e-5)

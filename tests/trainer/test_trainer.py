@@ -323,3 +323,18 @@ def test_compile_auto_is_on_for_cuda_in_one_process_only():
     assert choose_compile("auto", "cuda", True)[0] is False
     assert choose_compile(True, "cpu", False) == (True, "trainer.compile says so")
     assert choose_compile(False, "cuda", False)[0] is False
+
+
+def test_the_bfloat16_math_mode_is_taken_only_where_nothing_samples_beside_the_trainer(make_config):
+    from trace_rl.trainer.trainer import takes_bfloat16_gemms
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    alone = make_config()
+    assert takes_bfloat16_gemms(alone, cpu, torch.bfloat16)
+    assert not takes_bfloat16_gemms(alone, cpu, torch.float32)  # float32 values would be rounded
+    assert not takes_bfloat16_gemms(alone, cpu, torch.float16)  # so would float16 ones
+    assert not takes_bfloat16_gemms(alone, cuda, torch.bfloat16)  # CUDA has its GEMM with a float32 output
+    beside = alone.model_copy(update={"async_": alone.async_.model_copy(update={"max_off_policy_steps": 1})})
+    assert not takes_bfloat16_gemms(beside, cpu, torch.bfloat16)  # sampling runs in this process's other thread
+    in_workers = beside.model_copy(update={"trainer": beside.trainer.model_copy(update={"cpu_offload": True})})
+    assert in_workers.trainer.uses_workers and takes_bfloat16_gemms(in_workers, cpu, torch.bfloat16)

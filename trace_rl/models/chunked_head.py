@@ -23,7 +23,9 @@ head was made to close. So on CPU each chunk is a float32 GEMM of the rounded in
 (`float32_head.float32_copy` of the weight, made once per weight version): the products of
 half-precision values are exact in float32, the same numbers as `float32_head`'s; the backward
 GEMMs stay in d, as there. Logits are equal to the float32 head's up to float32 summation order,
-and so are logprobs and entropies.
+and so are logprobs and entropies. Where the caller allows it (`bfloat16_gemms`), a bfloat16 pair's
+float32 GEMMs run in oneDNN's bfloat16 math mode (`bfloat16_products`): the same exact products, at
+the bfloat16 rate.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import functools
 
 import torch
 
+from trace_rl.models.bfloat16_products import bfloat16_products
 from trace_rl.models.float32_head import float32_copy
 
 # float32 logits of one chunk (positions x vocabulary columns) by device type; a chunk's forward and backward hold a
@@ -81,14 +84,16 @@ class ChunkedLogprobs(torch.autograd.Function):
     """(hidden (P, H), weight (V, H)) in one dtype -> (logprob of each target, entropy), float32, per position."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, columns: int, softcap: float | None):
+    def forward(ctx, hidden, weight, targets, temperature, columns: int, softcap: float | None, bfloat16_gemms: bool):
         left, right = logit_operands(hidden, weight)
+        bfloat16_gemms = bfloat16_gemms and hidden.dtype == torch.bfloat16 and left.dtype == torch.float32
         positions = hidden.shape[0]
         m = hidden.new_full((positions,), -torch.inf, dtype=torch.float32)
         s, t, target_z = (hidden.new_zeros(positions, dtype=torch.float32) for _ in range(3))
         buffers = ChunkBuffers(positions, columns, hidden.device)
         for start in range(0, weight.shape[0], columns):
-            z = chunk_logits(left, right, start, columns, temperature, softcap, buffers)
+            with bfloat16_products(bfloat16_gemms):
+                z = chunk_logits(left, right, start, columns, temperature, softcap, buffers)
             new_m = torch.maximum(m, z.amax(dim=1))
             e = torch.sub(z, new_m[:, None], out=buffers.take("exps", torch.float32, z.shape[1])).exp_()
             scale = torch.exp(m - new_m)
@@ -100,7 +105,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             target_z = torch.where(inside, z.gather(1, at[:, None]).squeeze(1), target_z)
         lse = m + torch.log(s)
         ctx.save_for_backward(hidden, weight, targets, temperature, lse)
-        ctx.columns, ctx.softcap = columns, softcap
+        ctx.columns, ctx.softcap, ctx.bfloat16_gemms = columns, softcap, bfloat16_gemms
         entropy = lse - t / s
         ctx.mark_non_differentiable(entropy)
         return target_z - lse, entropy
@@ -117,7 +122,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         buffers = ChunkBuffers(hidden.shape[0], columns, hidden.device)
         for start in range(0, weight.shape[0], columns):
             # in place where a tensor is not read again: a CUDA chunk is 2^29 float32 logits, 2 GB each
-            logits = chunk_logits(left, right, start, columns, None, None, buffers)
+            with bfloat16_products(ctx.bfloat16_gemms):
+                logits = chunk_logits(left, right, start, columns, None, None, buffers)
             capped = torch.tanh(logits / softcap) * softcap if softcap else logits
             z = capped / temperature[:, None] if softcap else capped.div_(temperature[:, None])
             dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g p
@@ -136,7 +142,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                     else (dlogits @ chunk).float()
             if need_weight:
                 torch.mm(dlogits.t(), hidden, out=grad_weight[start:start + columns])
-        return (grad_hidden.to(hidden.dtype) if need_hidden else None, grad_weight, None, None, None, None)
+        return (grad_hidden.to(hidden.dtype) if need_hidden else None, grad_weight, None, None, None, None, None)
 
 
 class ChunkBuffers:
@@ -166,11 +172,14 @@ def chunk_logits(left, right, start: int, columns: int, temperature, softcap, bu
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                     softcap: float | None = None, columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float | None = None, columns: int | None = None,
+                     bfloat16_gemms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob (with grad) and entropy (without) of `targets` under the output layer `weight` (V, H) on `hidden`
     (P, H), both in the compute dtype: logits soft-capped at `softcap` (None: not), divided by `temperature` (P,),
-    over vocabulary chunks of `columns` (None: `vocabulary_chunk`'s)."""
+    over vocabulary chunks of `columns` (None: `vocabulary_chunk`'s). `bfloat16_gemms`: a bfloat16 pair's logits
+    GEMMs on a CPU in oneDNN's bfloat16 math mode (`bfloat16_products`), the same products at the bfloat16 rate;
+    only where no other thread of the process runs a float32 matmul meanwhile."""
     if columns is None:
         columns = vocabulary_chunk(hidden.shape[0], weight.shape[0], hidden.device.type)
     with torch.autocast(hidden.device.type, enabled=False):
-        return ChunkedLogprobs.apply(hidden, weight, targets, temperature.float(), columns, softcap)
+        return ChunkedLogprobs.apply(hidden, weight, targets, temperature.float(), columns, softcap, bfloat16_gemms)

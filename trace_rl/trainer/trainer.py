@@ -101,6 +101,15 @@ def compile_blocks(module: torch.nn.Module) -> None:
             sub.compile(dynamic=True)
 
 
+def takes_bfloat16_gemms(config: Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the chunked output layer's float32 GEMMs of bfloat16 values run in oneDNN's bfloat16 math mode: for a
+    bfloat16 trainer on a CPU, where nothing samples beside training in its process (the mode is the process's,
+    `trace_rl.models.bfloat16_products`, and a sampler's float32 matmuls would be rounded): in its own worker
+    processes (`trainer.uses_workers`), or with `[async] max_off_policy_steps = 0`."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and (
+        config.trainer.uses_workers or config.async_.max_off_policy_steps == 0)
+
+
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside a DDP wrapper (FSDP2's `fully_shard` keeps the module itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
@@ -183,7 +192,7 @@ def rows_logprobs(hf_model: torch.nn.Module, hidden: torch.Tensor, rows: torch.T
 
 def token_logprobs(
     model: torch.nn.Module, batch: MicroBatch, device: torch.device, chunk_size: int | str | None = "auto",
-    output_layer: str = "chunked",
+    output_layer: str = "chunked", bfloat16_gemms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs (with grad) and entropies (without) of a packed micro-batch, in its samples' view.
 
@@ -200,6 +209,8 @@ def token_logprobs(
     recomputed in backward. Either way only one chunk's full-vocabulary tensors exist at a time.
     `chunk_size=None` takes the model's full logits instead (the same numbers within float
     rounding; for comparison only: it keeps (tokens x vocabulary) float32 tensors for backward).
+    `bfloat16_gemms`: the chunked layer's float32 GEMMs of bfloat16 values run in oneDNN's bfloat16 math mode on a
+    CPU (`chunked_logprobs`); only where nothing else in the process runs beside.
     """
     check_attention(model, batch)
     source = torch.from_numpy(batch.query_source).to(device)
@@ -214,7 +225,8 @@ def token_logprobs(
         hidden = final_hidden_states(model, batch, device)
         dtype = compute_dtype(device, head.weight.dtype)
         lp, entropy = chunked_logprobs(hidden.index_select(0, source).to(dtype), head.weight.to(dtype), targets,
-                                       temperature, getattr(hf_model.config, "final_logit_softcapping", None))
+                                       temperature, getattr(hf_model.config, "final_logit_softcapping", None),
+                                       bfloat16_gemms=bfloat16_gemms)
     else:
         hidden = final_hidden_states(model, batch, device)
         if chunk_size == "auto":
@@ -368,6 +380,7 @@ class Trainer:
         self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpoint.WRITER.wait())
         self.step: int | None = None
         self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
+        self.bfloat16_gemms = takes_bfloat16_gemms(config, self.device, self.dtype)
 
     @property
     def compute_model(self) -> torch.nn.Module:
@@ -475,7 +488,7 @@ class Trainer:
             with self._gradient_sync(i == len(mine) - 1):
                 with self._autocast():
                     lp, entropy = token_logprobs(self.compute_model, batch, self.device, self.logprob_chunk,
-                                                 t.output_layer)
+                                                 t.output_layer, self.bfloat16_gemms)
                 on_device = {name: torch.from_numpy(getattr(batch, name)).to(self.device) for name in CHANNEL_FIELDS}
                 loss, metrics = compute_loss(
                     lp, on_device["inference_logprobs"],
