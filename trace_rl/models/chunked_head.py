@@ -64,12 +64,12 @@ def has_float32_out_mm(device_type: str) -> bool:
         return False
 
 
-def float32_sums(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b in float32: the half-precision GEMM with a float32 output where the device has one (CUDA, whose caching
-    allocator reuses memory without `out`), else a float32 GEMM of the inputs into `out` where given."""
+def float32_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float32: the half-precision GEMM with a float32 output where the device has one, else a float32 GEMM
+    of the inputs."""
     if a.dtype != torch.float32 and has_float32_out_mm(a.device.type):
         return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float(), out=out)
+    return a.float() @ b.float()
 
 
 def logit_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,10 +162,14 @@ class ChunkBuffers:
 
 
 def chunk_logits(left, right, start: int, columns: int, temperature, softcap, buffers: ChunkBuffers) -> torch.Tensor:
-    """The float32 logits of vocabulary rows [start, start + columns) (`logit_operands`), in `buffers`' logits;
+    """The float32 logits of vocabulary rows [start, start + columns) (`logit_operands`): float32 operands' in
+    `buffers`' logits (CUDA's caching allocator reuses the memory of a half-precision pair's without it);
     soft-capped and tempered where those are given."""
     rows = right[start:start + columns]
-    logits = float32_sums(left, rows.t(), buffers.take("logits", torch.float32, rows.shape[0]))
+    if left.dtype == torch.float32:
+        logits = torch.mm(left, rows.t(), out=buffers.take("logits", torch.float32, rows.shape[0]))
+    else:
+        logits = float32_sums(left, rows.t())
     if softcap:
         logits.div_(softcap).tanh_().mul_(softcap)
     return logits if temperature is None else logits.div_(temperature[:, None])
