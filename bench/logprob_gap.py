@@ -15,7 +15,10 @@ them as one packed micro-batch (`token_logprobs`). Reported over the sampled tok
   (`trace_rl.models.float32_head`; vLLM's `head_dtype = float32`), the trainer's
   `output_layer = "float32"`;
 - bfloat16, chunked head: the same sampler, the trainer's `output_layer = "chunked"` (the
-  default: vocabulary chunks with float32 sums, `trace_rl.models.chunked_head`).
+  default: vocabulary chunks with float32 sums, `trace_rl.models.chunked_head`);
+- bfloat16, chunked head, bfloat16 math mode: the same, its float32 GEMMs in oneDNN's bfloat16
+  math mode (`trace_rl.models.bfloat16_products`), what a bfloat16 trainer on a CPU runs where
+  nothing samples beside it.
 
     python -m bench.logprob_gap --model smollm2-135m --samples 8 --tokens 24   # make bench's run
 """
@@ -43,7 +46,8 @@ from trace_rl.trainer.varlen import PACKED_ATTENTION
 # path with its logits rounded to bfloat16)
 SETTINGS = {"float32": ("float32", True, "chunked"), "bfloat16, bfloat16 head": ("bfloat16", False, "bfloat16"),
             "bfloat16, float32 head": ("bfloat16", True, "float32"),
-            "bfloat16, chunked head": ("bfloat16", True, "chunked")}
+            "bfloat16, chunked head": ("bfloat16", True, "chunked"),
+            "bfloat16, chunked head, bfloat16 math mode": ("bfloat16", True, "chunked+bf16")}
 
 
 def half_precision_head(head: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,7 +90,9 @@ def score(path: str, dtype: torch.dtype, output_layer: str, prompts, generations
         trainer_module, "float32_logits", half_precision_head)
     with torch.no_grad(), head:
         lp, _ = trainer_module.token_logprobs(model, batch, torch.device("cpu"),
-                                              output_layer="float32" if output_layer == "bfloat16" else output_layer)
+                                              output_layer={"bfloat16": "float32", "chunked+bf16": "chunked"}.get(
+                                                  output_layer, output_layer),
+                                              bfloat16_gemms=output_layer == "chunked+bf16")
     return (lp.numpy() - batch.inference_logprobs)[batch.rl_mask]
 
 
