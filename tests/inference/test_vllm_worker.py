@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,3 +39,30 @@ def test_a_process_vllm_starts_freezes_its_heap_at_exit_and_the_main_process_doe
                             check=False)
     assert result.returncode == 0, result.stderr
     assert main.read_text() == "0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllms_rms_norm_kernels_on_cpu_agree_with_its_native_norm(dtype):
+    import vllm._custom_ops  # noqa: F401 - loads the kernels
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from trace_rl.inference.vllm_worker import _KernelNorm
+
+    generator = torch.Generator().manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        norm = RMSNorm(576, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=generator))
+    x = (torch.randn(32, 576, generator=generator) * 3).to(dtype)
+    residual = torch.randn(32, 576, generator=generator).to(dtype)
+    kernel = _KernelNorm(norm)
+    ulp = 1e-6 if dtype == torch.float32 else 0.0625  # one bfloat16 step at the outputs' largest, 8-16
+    torch.testing.assert_close(kernel(x.clone()), norm.forward_native(x.clone()), rtol=0, atol=ulp)
+    (out, added), (native_out, native_added) = kernel(x.clone(), residual.clone()), norm.forward_native(
+        x.clone(), residual.clone())
+    torch.testing.assert_close(added, native_added, rtol=0, atol=0)  # the residual stream: x + residual, the same
+    torch.testing.assert_close(out, native_out, rtol=0, atol=ulp)
+    wider = x.float()  # a float32 input to a bfloat16 norm: the native norm's own path
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(kernel(wider), norm.forward_native(wider), rtol=0, atol=0)

@@ -45,7 +45,7 @@ import numpy as np
 
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_logging import configure_this_process, quiet_config, quiet_imports, verbose
-from trace_rl.inference.vllm_worker import EXTENSION, FLOAT32_HEAD_METHOD, RELOAD_METHOD
+from trace_rl.inference.vllm_worker import CPU_SETUP_METHOD, EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
 from trace_rl.machine import reaper
 from trace_rl.models.hub import resolve_model_path
@@ -218,7 +218,7 @@ class EngineWorker:
         try:
             with self._log.capturing():
                 llm = LLM(model=self.model_path, use_tqdm_on_load=verbose(), **arguments)
-                llm.collective_rpc(FLOAT32_HEAD_METHOD)
+                llm.collective_rpc(CPU_SETUP_METHOD)
                 return llm
         except Exception as exc:
             raise EngineDeadError(f"{self.name} failed to start: {self._describe(exc)}") from exc
