@@ -22,6 +22,10 @@ Two kinds of process are not recorded:
 - multiprocessing's resource tracker: it exits by itself once the processes it tracks are gone,
   after unlinking the shared memory they leaked (killing it would leave that in /dev/shm).
 
+A sandbox's bwrap (trace_rl/sandbox) makes a session of its own itself (`--new-session`), so it is recorded
+all the same: its `--die-with-parent` did not always end it with the run (the suite saw a sandbox with a
+daemon outlive a SIGKILLed run).
+
 Standard library only, so the watcher starts in well under a second.
 """
 
@@ -38,6 +42,7 @@ from trace_rl.machine.processes import children, command, descendants, is_alive,
 
 POLL_S = 0.25
 RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+SANDBOX = "bwrap "  # a sandbox's command line starts so (trace_rl.sandbox.bwrap)
 
 _reaper: subprocess.Popen | None = None
 _owner = 0  # the pid that started `_reaper`: a process forked from it needs a reaper of its own
@@ -63,8 +68,10 @@ def watched(parent: int, session: int, recorded: dict[int, int]) -> None:
         above = queue.pop()
         for child in children(above):
             found = stat(child)
-            if found is None or (above == parent and found.sid != session) or child == os.getpid():
-                continue  # gone, or detached by the watched process (with everything below it)
+            if found is None or child == os.getpid():
+                continue
+            if above == parent and found.sid != session and not command(child).startswith(SANDBOX):
+                continue  # detached by the watched process (with everything below it)
             if RESOURCE_TRACKER not in command(child):
                 recorded[child] = found.start
             queue.append(child)
