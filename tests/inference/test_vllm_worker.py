@@ -3,11 +3,14 @@ collection (trace_rl/inference/vllm_worker.py says why); the process that runs t
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -66,3 +69,22 @@ def test_vllms_rms_norm_kernels_on_cpu_agree_with_its_native_norm(dtype):
     wider = x.float()  # a float32 input to a bfloat16 norm: the native norm's own path
     if dtype == torch.bfloat16:
         torch.testing.assert_close(kernel(wider), norm.forward_native(wider), rtol=0, atol=0)
+
+
+def test_an_idle_cpu_worker_sleeps_instead_of_spinning_after_a_request(vllm_runtime):
+    """vLLM's worker spins 1 s after each request it reads (CPU_WORKER_SPIN_SECONDS says why not here): on a 2-core
+    machine that spin took 0.2-0.3 CPU seconds from the trainer step that follows sampling."""
+    from trace_rl.inference.vllm_worker import CPU_WORKER_SPIN_SECONDS
+
+    (engine_core,) = vllm_runtime.worker._processes()
+    workers = [p for p in psutil.Process(engine_core.pid).children(recursive=True) if "Worker" in " ".join(p.cmdline())]
+    assert workers
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in workers)
+
+    asyncio.run(vllm_runtime.generate([5, 6, 7], temperature=1.0, max_tokens=4, seed=0))
+    time.sleep(CPU_WORKER_SPIN_SECONDS + 0.1)
+    before = cpu_seconds()
+    time.sleep(0.5)  # inside vLLM's own 1 s of spinning, which takes a core's share: 0.25-0.5 s of CPU time here
+    assert cpu_seconds() - before < 0.05
