@@ -18,7 +18,7 @@ from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.packing import collate, pack
 from trace_rl.trainer.prefix_tree import build_tree
 from trace_rl.trainer.trainer import Trainer, token_logprobs
-from trace_rl.trainer.varlen import PACKED_ATTENTION, packed_sdpa_attention
+from trace_rl.trainer.varlen import PACKED_ATTENTION, packed_sdpa_attention, query_pieces
 
 
 def sample_of(rng: np.random.Generator, name: str, ids: np.ndarray, temperature: float, sampled: np.ndarray,
@@ -151,14 +151,44 @@ class OpCounts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("tree", ["branch of a branch", "unshared"])
+def long_prompt_tree():
+    """A GRPO group whose 50-token prompt is longer than its completions: the padded batch cuts it into pieces."""
+    tree = build_tree([s.input_ids for s in group(np.random.default_rng(3), "long", 6, prompt_len=50)], share=True)
+    assert len(query_pieces(tree.layout.segments)) > len(tree.layout.segments)
+    return tree
+
+
+def test_query_pieces_cut_a_row_whose_few_long_segments_pad_the_rest():
+    # the demo's row (a micro-batch of its step 3): the 50- and 43-token segments are cut at 32
+    own_and_context = [(50, 0), (4, 42), (12, 45), (13, 45), (12, 46), (24, 46), (25, 45), (43, 27), (5, 42),
+                       *[(32, 38)] * 5, (14, 39), (14, 27), (20, 39), (13, 38), (24, 38), (24, 46), (32, 38), (18, 38),
+                       (32, 38), (23, 27), (21, 38), (6, 42), (16, 46), (22, 48), (32, 38), (32, 38), (31, 39)]
+    segments, start = [], 0
+    for own, context in own_and_context:
+        segments.append((start, start + own, ((0, context),) if context else ()))
+        start += own
+    pieces = query_pieces(segments)
+    assert len(pieces) == len(segments) + 2 and max(end - first for first, end, _ in pieces) == 32
+    assert sorted(p for first, end, _ in pieces for p in range(first, end)) == list(range(start))
+    assert (0, 32, ()) in pieces and (32, 50, ((0, 32),)) in pieces  # the cut's second piece sees the first
+    long = [(s, s + 43, ((0, 27),)) for s, e, c in segments if e - s == 43][0]
+    assert (long[0] + 32, long[1], ((0, 27), (long[0], long[0] + 32))) in pieces
+    # eight long segments after a short shared context: cutting would gather their keys once a piece, so no cut
+    uniform = [(100 + 1000 * i, 1100 + 1000 * i, ((0, 100),)) for i in range(8)]
+    assert query_pieces(uniform) == uniform
+
+
+@pytest.mark.parametrize("tree", ["branch of a branch", "long prompt", "unshared"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_packed_attention_equals_each_sample_attending_alone_with_gradients(tree, dtype, tolerance):
     """The row's attention at each sample's path is causal attention over that sample alone (float32, from the
     same inputs), outputs and q/k/v gradients, also where a context ends inside an earlier segment (the row is cut
-    there); in one attention call and no concatenation, forward and backward."""
+    there) and where the padded batch cuts a long segment into pieces; in one attention call and no concatenation,
+    forward and backward."""
     if tree == "unshared":
         tree = build_tree([s.input_ids for s in shared_batch()], share=False)
+    elif tree == "long prompt":
+        tree = long_prompt_tree()
     else:
         tree = branch_of_branch_tree()
     torch.manual_seed(0)
