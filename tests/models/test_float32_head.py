@@ -70,9 +70,12 @@ def test_a_kept_float32_copy_is_cast_again_only_after_its_weight_is_written():
     keep_float32_copy(weight)
     first = float32_copy(weight)
     assert first is float32_copy(weight) and torch.equal(first, weight.float())
+    before = first.clone()
     with torch.no_grad():
         weight.copy_(torch.randn(8, 4))  # a refresh of the compute copy, a sampler's weight update
-    assert torch.equal(float32_copy(weight), weight.float()) and not torch.equal(first, weight.float())
+    again = float32_copy(weight)
+    assert torch.equal(again, weight.float()) and not torch.equal(before, again)
+    assert again.data_ptr() == first.data_ptr()  # cast into the same memory: no fresh tensor per weight version
 
 
 def test_the_hf_sampler_scores_with_the_weights_it_loaded_last(tiny_model_path, tmp_path):

@@ -16,7 +16,7 @@ from trace_rl.trainer import checkpoint
 from trace_rl.trainer.lifecycle import train_one_step
 from trace_rl.trainer.packing import pack
 from trace_rl.trainer.resume import TrainerError
-from trace_rl.trainer.trainer import NonFiniteError, Trainer, check_finite
+from trace_rl.trainer.trainer import NonFiniteError, Trainer, check_finite, clip_in_fused_adamw
 
 
 def exported(storage, step: int) -> dict[str, torch.Tensor]:
@@ -224,18 +224,18 @@ def test_a_half_precision_step_runs_on_a_compute_copy_not_under_autocast(make_co
     trainer = Trainer(config, storage_for(config))
     with trainer._autocast():
         assert not torch.is_autocast_enabled("cpu")  # the copy's parameters are bfloat16 already
-    # every parameter of the copy in bfloat16 (the tied embedding and output layer still one), the buffers
+    # every parameter of the copy in bfloat16 (the tied embedding and output layer one storage), the buffers
     # (rotary frequencies) float32, as in the sampler's bfloat16 model
     copy = trainer.compute_model
     assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in copy.buffers() if b.is_floating_point()} == {torch.float32}
-    assert copy.get_output_embeddings().weight is copy.get_input_embeddings().weight
+    assert copy.get_output_embeddings().weight.data_ptr() == copy.get_input_embeddings().weight.data_ptr()
     assert {p.dtype for p in trainer.module.parameters()} == {torch.float32}
     assert trainer.optimizer.defaults["fused"]  # one pass per float32 master parameter
     # a step: the master weights get float32 gradients that equal the copy's, the copy holds none after it
     trainer.optimizer_step(0, make_batch(10))
     assert all(p.grad is None for p in copy.parameters())
-    pairs = list(zip(trainer.module.parameters(), copy.parameters()))
+    pairs = trainer.compute.refreshed
     assert not all(torch.equal(half, master.to(torch.bfloat16)) for master, half in pairs)  # AdamW moved the master
     trainer.compute.refresh()  # the next step's copy: the updated master weights, rounded
     assert all(torch.equal(half, master.to(torch.bfloat16)) for master, half in pairs)
@@ -338,3 +338,31 @@ def test_the_bfloat16_math_mode_is_taken_only_where_nothing_samples_beside_the_t
     assert not takes_bfloat16_gemms(beside, cpu, torch.bfloat16)  # sampling runs in this process's other thread
     in_workers = beside.model_copy(update={"trainer": beside.trainer.model_copy(update={"cpu_offload": True})})
     assert in_workers.trainer.uses_workers and takes_bfloat16_gemms(in_workers, cpu, torch.bfloat16)
+
+
+@pytest.mark.parametrize("max_norm", [0.1, 1000.0], ids=["clipped", "within"])
+def test_clipping_by_the_fused_adamw_s_grad_scale_steps_as_clip_grad_norm(max_norm):
+    """A compute copy's step clips in its fused AdamW's pass (`clip_in_fused_adamw`): the same weights as
+    `clip_grad_norm_` and then the step, within float32 rounding, over steps whose gradients differ in scale."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32), torch.randn(300)]
+    runs = {}
+    for way in ("clip_grad_norm_", "grad_scale"):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        norms = []
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator) * (step + 1)
+            if way == "grad_scale":
+                norms.append(float(clip_in_fused_adamw(optimizer, params, max_norm)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            optimizer.step()
+        runs[way] = params, norms
+    (clipped, norms), (scaled, scaled_norms) = runs.values()
+    assert scaled_norms == pytest.approx(norms, rel=1e-6)
+    assert min(norms) > max_norm if max_norm < 1 else max(norms) < max_norm  # every step clipped, or none
+    assert max(float((a - b).abs().max()) for a, b in zip(clipped, scaled)) < 1e-6
+    assert max(float((a - w).abs().min()) for a, w in zip(clipped, weights)) > 0  # the steps moved every weight

@@ -95,7 +95,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             with bfloat16_products(bfloat16_gemms):
                 z = chunk_logits(left, right, start, columns, temperature, softcap, buffers)
             new_m = torch.maximum(m, z.amax(dim=1))
-            e = torch.sub(z, new_m[:, None], out=buffers.take("exps", torch.float32, z.shape[1])).exp_()
+            e = torch.sub(z, new_m[:, None], out=buffers.take("scratch", torch.float32, z.shape[1])).exp_()
             scale = torch.exp(m - new_m)
             s = s * scale + e.sum(dim=1)
             t = t * scale + e.mul_(z).sum(dim=1)
@@ -106,6 +106,9 @@ class ChunkedLogprobs(torch.autograd.Function):
         lse = m + torch.log(s)
         ctx.save_for_backward(hidden, weight, targets, temperature, lse)
         ctx.columns, ctx.softcap, ctx.bfloat16_gemms = columns, softcap, bfloat16_gemms
+        # a CPU's backward writes into the forward's buffers (CUDA's caching allocator reuses memory by itself, and
+        # keeping its 2 GB chunks alive through the decoder's backward would raise the peak)
+        ctx.buffers = buffers if hidden.device.type == "cpu" else None
         entropy = lse - t / s
         ctx.mark_non_differentiable(entropy)
         return target_z - lse, entropy
@@ -119,7 +122,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         g = grad_logprob.float()
-        buffers = ChunkBuffers(hidden.shape[0], columns, hidden.device)
+        buffers, ctx.buffers = ctx.buffers or ChunkBuffers(hidden.shape[0], columns, hidden.device), None
         for start in range(0, weight.shape[0], columns):
             # in place where a tensor is not read again: a CUDA chunk is 2^29 float32 logits, 2 GB each
             with bfloat16_products(ctx.bfloat16_gemms):
@@ -135,7 +138,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 dz.mul_(1 - (capped / softcap) ** 2)
             dlogits = dz
             if dz.dtype != hidden.dtype:
-                dlogits = buffers.take("gradient", hidden.dtype, dz.shape[1]).copy_(dz)
+                dlogits = buffers.take("scratch", hidden.dtype, dz.shape[1]).copy_(dz)
             chunk = weight[start:start + columns]
             if need_hidden:
                 grad_hidden += float32_sums(dlogits, chunk) if has_float32_out_mm(chunk.device.type) \
@@ -146,19 +149,20 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 class ChunkBuffers:
-    """Per pass, one tensor of each kind a chunk writes (float32 logits, exponentials, a half-precision gradient),
-    made at its first use and reused by every chunk: a fresh 64 MB tensor per chunk and op costs its page faults
-    each time on a CPU."""
+    """The memory a chunk writes into, made at its first use and reused by every chunk (a fresh 64 MB tensor per
+    chunk and op costs its page faults each time on a CPU): per kind, room for (positions, columns) float32 values,
+    `logits` (the float32 logits), `scratch` (the forward's exponentials, the backward's half-precision gradient)."""
 
     def __init__(self, positions: int, columns: int, device: torch.device):
         self.positions, self.columns, self.device = positions, columns, device
         self.flat: dict[str, torch.Tensor] = {}
 
     def take(self, kind: str, dtype: torch.dtype, columns: int) -> torch.Tensor:
-        """The `kind` tensor as (positions, columns), columns <= the chunk's."""
+        """The `kind` memory as a (positions, columns) tensor of `dtype` (at most 4 bytes), columns <= the chunk's."""
         if kind not in self.flat:
-            self.flat[kind] = torch.empty(self.positions * self.columns, dtype=dtype, device=self.device)
-        return self.flat[kind][:self.positions * columns].view(self.positions, columns)
+            self.flat[kind] = torch.empty(self.positions * self.columns * 4, dtype=torch.uint8, device=self.device)
+        size = self.positions * columns * dtype.itemsize
+        return self.flat[kind][:size].view(dtype).view(self.positions, columns)
 
 
 def chunk_logits(left, right, start: int, columns: int, temperature, softcap, buffers: ChunkBuffers) -> torch.Tensor:

@@ -13,8 +13,14 @@ FSDP2's `MixedPrecisionPolicy(param_dtype)` runs per block. `refresh` casts the 
 it at the start of a step (the frozen ones, LoRA's base, once when it is made); `add_gradients` adds its
 gradients, in float32, to the master's after each micro-batch's backward, so the sum over micro-batches,
 the gradient clipping and the AdamW update stay float32. Within one backward, the contributions of a weight
-read more than once (a tied embedding and output layer, the output layer's chunks) add up in the compute
-dtype, as under FSDP2's.
+read more than once (the output layer's chunks) add up in the compute dtype, as under FSDP2's.
+
+The copy's trainable input embedding takes a sparse gradient (`nn.Embedding(sparse=True)`): the rows of the
+micro-batch's tokens, not a dense (vocabulary, hidden) tensor that is almost all zeros. Where the embedding is
+tied to the output layer, the copy reads one weight through two parameters (one storage, refreshed once): the
+output layer's dense gradient and the embedding's rows reach the master apart and add up in float32
+(`index_add_`). On SmolLM2-135M's 49,152 x 576 tied embedding that spares each backward a zeroed 57 MB
+gradient and a 57 MB sum.
 """
 
 from __future__ import annotations
@@ -38,21 +44,39 @@ class ComputeCopy:
         head = self.module.get_output_embeddings()
         if isinstance(head, torch.nn.Linear):
             keep_float32_copy(head.weight)  # the float32 output layer's, cast again after each refresh
+        self.refreshed = list(self.pairs)  # the (master, copy) pairs `refresh` casts: each storage once
+        # (master, copy) of a trainable nn.Embedding input, whose sparse gradient `add_gradients` adds after the
+        # others (a tied output layer's dense one first)
+        self.embedding: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
+        embedding = self.module.get_input_embeddings()
+        if isinstance(embedding, torch.nn.Embedding) and embedding.weight.requires_grad:
+            if head is not None and head.weight is embedding.weight:
+                embedding.weight = torch.nn.Parameter(embedding.weight.detach())  # one storage, gradients apart
+            else:
+                self.pairs = [(m, half) for m, half in self.pairs if half is not embedding.weight]
+            embedding.sparse = True
+            self.embedding = (master.get_input_embeddings().weight, embedding.weight)
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Cast the trainable master weights into the copy (once per step, before its first forward)."""
-        for master, half in self.pairs:
+        for master, half in self.refreshed:
             half.copy_(master)
 
     @torch.no_grad()
     def add_gradients(self) -> None:
         """Add the copy's gradients to the master's in float32 and clear them (after each micro-batch's backward)."""
         for master, half in self.pairs:
-            if half.grad is None:
+            grad, half.grad = half.grad, None
+            if grad is None:
                 continue
             if master.grad is None:
-                master.grad = half.grad.to(master.dtype)
+                master.grad = grad.to(master.dtype)
             else:
-                master.grad.add_(half.grad)
-            half.grad = None
+                master.grad.add_(grad)
+        if self.embedding is not None and self.embedding[1].grad is not None:
+            master, half = self.embedding
+            rows, half.grad = half.grad, None  # sparse: a token read twice is listed twice
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
+            master.grad.index_add_(0, rows._indices()[0], rows._values().to(master.dtype))

@@ -291,6 +291,15 @@ def set_config_dtype(path: str, dtype: torch.dtype) -> None:
         f.write("\n")
 
 
+def clip_in_fused_adamw(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a fused AdamW's next step, without its pass over the gradients: the
+    gradients' total norm, and the optimizer's `grad_scale` (which its kernel divides each gradient by as it reads
+    it) set to 1 / clip_grad_norm_'s coefficient, (norm + 1e-6) / max_norm where that is above 1."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    return norm
+
+
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is NaN or infinite: the step stops before the optimizer changes anything."""
 
@@ -508,9 +517,10 @@ class Trainer:
         names = sorted(totals)
         reduced = self._all_reduce_metrics(names, totals)
 
-        # foreach with a compute copy, as its AdamW is fused: 0.33 s against 0.74 s over SmolLM2-135M on the AMX Xeon
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm,
-                                                   foreach=True if self.compute is not None else None)
+        if self.compute is not None:
+            grad_norm = clip_in_fused_adamw(self.optimizer, self.model.parameters(), t.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         check_finite(step, [dict(zip(self.loss_names, values)) for values in torch.stack(losses).tolist()],
