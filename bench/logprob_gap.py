@@ -37,6 +37,7 @@ from trace_rl.data.sample import TrainingSample
 from trace_rl.inference.hf_decode import Request, decode_batch
 from trace_rl.models.float32_head import use_float32_head
 from trace_rl.models.hub import resolve_model_path
+from trace_rl.models.rms_norm import use_one_rounding_norms
 from trace_rl.trainer import trainer as trainer_module
 from trace_rl.trainer.compute_copy import ComputeCopy
 from trace_rl.trainer.packing import MicroBatch, collate
@@ -59,6 +60,7 @@ def sample(path: str, dtype: torch.dtype, float32_head: bool, prompts: list[list
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if float32_head:
         use_float32_head(model)
+    use_one_rounding_norms(model, dtype)  # as the hf sampler's
     requests = [Request(prompt, temperature=1.0, top_p=1.0, max_tokens=tokens, seed=i)
                 for i, prompt in enumerate(prompts)]
     return decode_batch(model, requests, stop_ids=[-1], pad_id=0)

@@ -26,6 +26,7 @@ from trace_rl.inference.weights import check_weights, safetensors_files
 from trace_rl.models.float32_head import use_float32_head
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.models.lora import ADAPTER_WEIGHTS, check_adapter, is_adapter_dir
+from trace_rl.models.rms_norm import use_one_rounding_norms
 from trace_rl.models.runtime import Generation, RuntimeConfig, load_tokenizer, stop_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +60,7 @@ class HFRuntime:
         self.model.to(self.device)
         self.model.eval()
         use_float32_head(self.model)  # the trainer's logits: float32 from the half-precision hidden states
+        use_one_rounding_norms(self.model, DTYPES[config.dtype])  # the trainer's norms, and vLLM's
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.stop_tokens, config.key)
         self._lock = threading.Lock()  # weights change only between batches and scores
         self._batcher = RequestBatcher(self._decode, name=f"hf-sampler-{config.key}")

@@ -30,6 +30,7 @@ import copy
 import torch
 
 from trace_rl.models.float32_head import keep_float32_copy
+from trace_rl.models.rms_norm import use_one_rounding_norms
 
 
 class ComputeCopy:
@@ -41,6 +42,7 @@ class ComputeCopy:
                 for p in master.parameters()}
         self.module = copy.deepcopy(master, memo)
         self.pairs = [(p, memo[id(p)]) for p in master.parameters() if p.requires_grad]
+        use_one_rounding_norms(self.module, dtype)  # as the sampler's norms compute
         head = self.module.get_output_embeddings()
         if isinstance(head, torch.nn.Linear):
             keep_float32_copy(head.weight)  # the float32 output layer's, cast again after each refresh

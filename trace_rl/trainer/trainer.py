@@ -45,6 +45,7 @@ from trace_rl.trainer.packing import CHANNEL_FIELDS, MicroBatch, assign_to_ranks
 from trace_rl.models.chunked_head import LOGITS_PER_CHUNK, chunked_logprobs
 from trace_rl.models.dtype import resolved_dtype
 from trace_rl.models.float32_head import compute_dtype, float32_logits
+from trace_rl.models.rms_norm import use_one_rounding_norms
 from trace_rl.trainer.attention import PACKED_ATTENTIONS, choose_attention
 from trace_rl.trainer.compute_copy import ComputeCopy
 
@@ -366,6 +367,8 @@ class Trainer:
         self.compiled, why = choose_compile(config.trainer.compile, self.device.type, self.distributed)
         if self.rank == 0:
             logger.info("trainer compile: %s (%s)", self.compiled, why)
+        if self.distributed and config.trainer.parallel == "fsdp":  # its half-precision blocks' norms: the compute copy's
+            use_one_rounding_norms(self.module, self.dtype)
         if self.compiled and self.distributed:  # before FSDP2 wraps the blocks, as torchtitan does
             compile_blocks(self.module)
         self.model = self._parallelize(self.module)
