@@ -73,7 +73,7 @@ def is_plain_rms_norm(module: torch.nn.Module) -> float | None:
     with torch.no_grad():
         try:
             out = module(probe)
-        except Exception:  # a norm with another signature
+        except (TypeError, RuntimeError):  # a norm with another signature, or that needs more than one input
             return None
         expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
         if not isinstance(out, torch.Tensor) or out.shape != expected.shape \

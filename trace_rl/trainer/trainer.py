@@ -367,7 +367,7 @@ class Trainer:
         self.compiled, why = choose_compile(config.trainer.compile, self.device.type, self.distributed)
         if self.rank == 0:
             logger.info("trainer compile: %s (%s)", self.compiled, why)
-        if self.distributed and config.trainer.parallel == "fsdp":  # its half-precision blocks' norms: the compute copy's
+        if self.distributed and config.trainer.parallel == "fsdp":  # norms as one process's compute copy has them
             use_one_rounding_norms(self.module, self.dtype)
         if self.compiled and self.distributed:  # before FSDP2 wraps the blocks, as torchtitan does
             compile_blocks(self.module)
