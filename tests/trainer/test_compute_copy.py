@@ -68,3 +68,37 @@ def test_the_embedding_gradient_is_sparse_and_reaches_the_master_in_float32(tied
     backward(reference, ids)
     gap = (reference.get_input_embeddings().weight.grad.float() - master).abs().max()
     assert 0 < gap <= master.abs().max() * 2**-6
+
+
+def float32_gradient(p: torch.nn.Parameter) -> torch.Tensor:
+    """p's gradient in float32, a sparse one's rows added in float32."""
+    if not p.grad.is_sparse:
+        return p.grad.float()
+    return torch.zeros(p.shape).index_add_(0, p.grad._indices()[0], p.grad._values().float())
+
+
+def test_micro_batches_sum_in_float32_and_the_next_step_starts_afresh():
+    """Two micro-batches' gradients reach the master as their float32 sum; the next step, after the optimizer's
+    `zero_grad(set_to_none=True)`, holds its own alone."""
+    model = tiny_model(tied=True)
+    copy = ComputeCopy(model, torch.bfloat16)
+    batches = [torch.tensor([[5, 9, 5, 200, 17, 9]]), torch.tensor([[7, 3, 3, 40, 2, 9]])]
+    halves = []
+    for ids in batches:
+        backward(copy.module, ids)
+        halves.append({name: float32_gradient(p) for name, p in copy.module.named_parameters()})
+        copy.add_gradients()
+    names = [name for name, _ in copy.module.named_parameters()]
+    head, embedding = "lm_head.weight", "model.embed_tokens.weight"
+    for name, master in model.named_parameters():  # the tied master: the output layer's and the embedding's
+        parts = [name] if name != embedding else [head, embedding]
+        expected = sum(halves[0][part] for part in parts) + sum(halves[1][part] for part in parts)
+        assert name in names or name == embedding
+        torch.testing.assert_close(master.grad, expected, rtol=1e-6, atol=1e-7)
+    model.zero_grad(set_to_none=True)
+    backward(copy.module, batches[1])
+    again = {name: float32_gradient(p) for name, p in copy.module.named_parameters()}
+    copy.add_gradients()
+    for name, master in model.named_parameters():
+        parts = [name] if name != embedding else [head, embedding]
+        torch.testing.assert_close(master.grad, sum(again[part] for part in parts), rtol=1e-6, atol=1e-7)

@@ -182,7 +182,7 @@ def final_hidden_states(model: torch.nn.Module, batch: MicroBatch, device: torch
         model(**row_call(batch, device), **extra)
     finally:
         hook.remove()
-    return captured[-1][0]
+    return captured[-1].squeeze(0)  # not [0]: its backward would write into a zeroed copy of the batch
 
 
 def rows_logprobs(hf_model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
@@ -295,8 +295,13 @@ def set_config_dtype(path: str, dtype: torch.dtype) -> None:
 def clip_in_fused_adamw(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a fused AdamW's next step, without its pass over the gradients: the
     gradients' total norm, and the optimizer's `grad_scale` (which its kernel divides each gradient by as it reads
-    it) set to 1 / clip_grad_norm_'s coefficient, (norm + 1e-6) / max_norm where that is above 1."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
+    it) set to 1 / clip_grad_norm_'s coefficient, (norm + 1e-6) / max_norm where that is above 1.
+
+    The norm is the square root of each gradient's dot product with itself (BLAS), summed: on a CPU half the time of
+    `torch.nn.utils.get_total_norm` (23 against 52 ms over SmolLM2-135M's float32 gradients on the AMX Xeon) and
+    nearer the exact norm (5e-6 against 3.4e-4 relative to a float64 sum there, bench/RESULTS-bf16.md run 11)."""
+    grads = [p.grad.reshape(-1) for p in parameters if p.grad is not None]
+    norm = torch.stack([torch.dot(g, g) for g in grads]).sum().sqrt() if grads else torch.zeros(())
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
     return norm
 

@@ -24,23 +24,24 @@ module ran before, made 1,536 SDPA calls and 3,567 `cat`s a step on the GPU chec
 (segments x longest) / (sum of lengths) more attention FLOPs, for rows of similar lengths (a
 GRPO group's samples) a few tenths.
 
-On CPU a half-precision row attends in float32 (`attention_dtype`): torch 2.13's CPU flash attention is as fast
-forward in bfloat16 as in float32, but its bfloat16 backward is the slow one. On the AMX Xeon, for the demo's padded
-batch (36 segments x 9 heads, 32 queries over 72 keys, 3 KV heads): backward 42.7 ms in bfloat16 against 6.3 ms
-in float32, and 46.9 against 16.2 ms for 72 causal positions; in the demo's step the bfloat16 backward was a third
-of the trainer's time. Attention's FLOPs are a few percent of the step's, and float32 attention is the more exact.
+On CPU a half-precision row attends in float32 as a few batched GEMMs (`gemm_attention.GemmAttention`, the
+gathers inside): torch 2.13's CPU flash attention in float32 took about 1 ms a layer more on the demo's rows, and its
+bfloat16 backward is several times slower. Attention's FLOPs are a few percent of the step's, and float32 attention
+is the more exact.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
 import torch
 from transformers import AttentionInterface
 
+from trace_rl.trainer.gemm_attention import GemmAttention, hidden_slots
+
 PACKED_ATTENTION = "packed_sdpa"
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RowLayout:
@@ -192,39 +193,36 @@ def packed_sdpa_attention(
     if row_layout is None:
         row_layout = RowLayout([(0, length, ())])
     gqa = query.shape[1] != key.shape[1]
-    dtype = attention_dtype(query)
-    # (T, heads, dim): the row's positions first, for the gathers
-    q, k, v = (tensor[0].transpose(0, 1).to(dtype) for tensor in (query, key, value))
+    if query.device.type == "cpu" and query.dtype in HALF_DTYPES and not dropout:
+        row = row_layout.cached(("padded", length, query.device), lambda: PaddedRow(row_layout, length, query.device))
+        kv, group = key.shape[1], query.shape[1] // key.shape[1]
+        hidden = row_layout.cached(("hidden", length, kv, group), lambda: hidden_slots(row, kv, group))
+        scale = query.shape[3] ** -0.5 if scaling is None else scaling
+        out = GemmAttention.apply(query.squeeze(0), key.squeeze(0), value.squeeze(0), row, hidden, scale)
+        return out.unsqueeze(0), None
+    # (T, heads, dim): the row's positions first, for the gathers; squeezed, not indexed ([0]'s backward writes its
+    # gradient into a zeroed copy of the batch)
+    q, k, v = (tensor.squeeze(0).transpose(0, 1) for tensor in (query, key, value))
     if not row_layout.shares and not dropout and has_varlen(query.device.type, query.dtype):
         from torch.nn.attention.varlen import varlen_attn
 
         row = row_layout.cached(("varlen", query.device), lambda: VarlenRow(row_layout, query.device))
         out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), row.cumulative, row.cumulative,
                           row.longest, row.longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
-        return out[None], None
+        return out.unsqueeze(0), None
     row = row_layout.cached(("padded", length, query.device), lambda: PaddedRow(row_layout, length, query.device))
     segments = row.queries.shape[0] // row.longest
 
     def batch(tensor: torch.Tensor, index: torch.Tensor, longest: int) -> torch.Tensor:
         return GatherRows.apply(tensor, index).view(segments, longest, *tensor.shape[1:]).transpose(1, 2)
 
-    # autocast (FSDP's bfloat16 computes under it) would take an upcast row's attention back to bfloat16
-    upcast = dtype != query.dtype
-    with torch.autocast(query.device.type, enabled=False) if upcast else contextlib.nullcontext():
-        out = torch.nn.functional.scaled_dot_product_attention(
-            batch(q, row.queries, row.longest), batch(k, row.keys, row.longest_keys),
-            batch(v, row.keys, row.longest_keys), attn_mask=row.mask, dropout_p=dropout, scale=scaling,
-            is_causal=row.mask is None, enable_gqa=gqa,
-        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        batch(q, row.queries, row.longest), batch(k, row.keys, row.longest_keys),
+        batch(v, row.keys, row.longest_keys), attn_mask=row.mask, dropout_p=dropout, scale=scaling,
+        is_causal=row.mask is None, enable_gqa=gqa,
+    )
     out = GatherRows.apply(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]), row.outputs)
-    return out.to(query.dtype)[None], None
-
-
-def attention_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype a row attends in: float32 for a half-precision row on CPU (the module docstring), else its own."""
-    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return query.dtype
+    return out.unsqueeze(0), None
 
 
 # run eagerly inside a compiled decoder block (`trainer.compile`): traced, the row's Python layout would be a guard
