@@ -1,9 +1,10 @@
 """bench.bf16_profile's op counter on a bfloat16 step of the tiny model: the structure issue 44 asks for, pinned.
 
 The weights are cast once per step whatever the number of micro-batches (the compute copy's refresh, and the
-float32 output layer's copy of its bfloat16 weight), and the only float32 matmuls are that output layer's: its
-forward and its recomputation in backward, one per chunk (the tiny model's 256 tokens: one chunk per
-micro-batch). Everything else computes in bfloat16.
+float32 output layer's copy of its bfloat16 weight), and the only float32 matmuls are that output layer's (its
+forward and its recomputation in backward, one per chunk: the tiny model's 256 tokens, one chunk per
+micro-batch) and the attention's (on CPU float32 GEMMs of the bfloat16 q, k and v, `gemm_attention`: two per layer
+forward, four backward). Everything else computes in bfloat16.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def test_a_bfloat16_step_casts_its_weights_once_and_computes_in_bfloat16(tiny_mo
     assert weight_casts == {("forward", "copy_", "f32->bf16"): trainable, ("forward", "_to_copy", "bf16->f32"): 1}
     matmuls = {(phase, op, dtypes): row.count for (kind, phase, op, dtypes), row in ops.rows.items()
                if kind == "matmul" and "f32" in dtypes}
-    assert matmuls == {("forward", "mm", "f32->f32"): ops.micro_batches, ("backward", "mm", "f32->f32"): ops.micro_batches}
+    attention = trainer.module.config.num_hidden_layers * ops.micro_batches
+    assert matmuls == {("forward", "mm", "f32->f32"): ops.micro_batches,
+                       ("backward", "mm", "f32->f32"): ops.micro_batches,
+                       ("forward", "bmm", "f32->f32"): 2 * attention, ("backward", "bmm", "f32->f32"): 4 * attention}
     assert {dtypes for (kind, _, _, dtypes) in ops.rows if kind == "matmul"} == {"f32->f32", "bf16->bf16"}
     assert 0 < summary(ops)["float32_matmul_flops_share"] < 1

@@ -17,10 +17,11 @@ dtype once.
 
 Why not torch's CPU flash attention: at the demo's sizes (about 40 slots of 32 queries over 73 keys, 9 heads over
 3) its float32 kernel, with the casts and gathers around it, spends about 7 ms a layer, forward and backward, on
-0.6 GFLOP; its bfloat16 backward is several times slower (42.7 against 6.3 ms on the AMX Xeon). This function
-takes about 1 ms a layer less: two bfloat16 trainers stepped in turn, -29 ms a step over SmolLM2-135M's 30 layers
-(bench/RESULTS-bf16.md, run 11). Its GEMMs are most of its time (0.4-0.7 ms each, 160-270 GFLOP/s at these
-shapes); an earlier version with the gathers and casts outside it gained nothing (run 7).
+0.6 GFLOP, and its bfloat16 backward is several times slower (42.7 against 6.3 ms on the AMX Xeon). This function
+is no slower and rounds once: two bfloat16 trainers stepped in turn, the flash path's against this one's, -17 and
+-29 ms a step over SmolLM2-135M's 30 layers (8 and 14 rounds; bench/RESULTS-bf16.md, run 11), near the machine's
+noise. Its GEMMs are most of its time (0.4-0.7 ms each, 160-270 GFLOP/s at these shapes); an earlier version with
+the gathers and casts outside it gained nothing (run 7).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ module ran before, made 1,536 SDPA calls and 3,567 `cat`s a step on the GPU chec
 GRPO group's samples) a few tenths.
 
 On CPU a half-precision row attends in float32 as a few batched GEMMs (`gemm_attention.GemmAttention`, the
-gathers inside): torch 2.13's CPU flash attention in float32 took about 1 ms a layer more on the demo's rows, and its
-bfloat16 backward is several times slower. Attention's FLOPs are a few percent of the step's, and float32 attention
+gathers inside): torch 2.13's CPU flash attention in float32 was no faster on the demo's rows, and its bfloat16
+backward is several times slower. Attention's FLOPs are a few percent of the step's, and float32 attention
 is the more exact.
 """
 
