@@ -27,7 +27,8 @@ GRPO group's samples) a few tenths.
 On CPU a half-precision row attends in float32 as a few batched GEMMs (`gemm_attention.GemmAttention`, the
 gathers inside): torch 2.13's CPU flash attention in float32 was no faster on the demo's rows, and its bfloat16
 backward is several times slower. Attention's FLOPs are a few percent of the step's, and float32 attention
-is the more exact.
+is the more exact. A row with attention dropout (a model whose `attention_dropout` is above 0) runs the padded SDPA
+in its own dtype instead.
 """
 
 from __future__ import annotations
