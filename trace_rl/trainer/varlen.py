@@ -98,6 +98,11 @@ class PaddedRow:
     context and its own earlier keys, a padding query sees the first key (a row that sees nothing would be NaN,
     and NaN times its zero gradient is NaN)."""
 
+    @staticmethod
+    def of(layout: RowLayout, length: int, device: torch.device) -> PaddedRow:
+        """The layout's PaddedRow on `device`, made once per layout (every layer of a micro-batch reads it)."""
+        return layout.cached(("padded", length, device), lambda: PaddedRow(layout, length, device))
+
     def __init__(self, layout: RowLayout, length: int, device: torch.device):
         segments = query_pieces(layout.segments) if layout.shares else layout.segments
         own = [end - start for start, end, _ in segments]
@@ -195,7 +200,7 @@ def packed_sdpa_attention(
         row_layout = RowLayout([(0, length, ())])
     gqa = query.shape[1] != key.shape[1]
     if query.device.type == "cpu" and query.dtype in HALF_DTYPES and not dropout:
-        row = row_layout.cached(("padded", length, query.device), lambda: PaddedRow(row_layout, length, query.device))
+        row = PaddedRow.of(row_layout, length, query.device)
         kv, group = key.shape[1], query.shape[1] // key.shape[1]
         hidden = row_layout.cached(("hidden", length, kv, group), lambda: hidden_slots(row, kv, group))
         scale = query.shape[3] ** -0.5 if scaling is None else scaling
@@ -211,7 +216,7 @@ def packed_sdpa_attention(
         out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), row.cumulative, row.cumulative,
                           row.longest, row.longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
         return out.unsqueeze(0), None
-    row = row_layout.cached(("padded", length, query.device), lambda: PaddedRow(row_layout, length, query.device))
+    row = PaddedRow.of(row_layout, length, query.device)
     segments = row.queries.shape[0] // row.longest
 
     def batch(tensor: torch.Tensor, index: torch.Tensor, longest: int) -> torch.Tensor:
