@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from trace_rl.machine.processes import descendants, is_alive, stat
+import pytest
+
+from trace_rl.machine.processes import command, descendants, is_alive, stat
+from trace_rl.sandbox import bwrap_lack
 
 ROOT = Path(__file__).resolve().parents[2]
 SLEEP = "import time; time.sleep(600)"
@@ -57,3 +60,62 @@ def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detache
         assert is_alive(detached, started[detached])
     finally:
         os.kill(detached, signal.SIGKILL)
+
+
+# a sandbox's bwrap that has left the run's tree, as the pid 1 of a sandbox that was setting up when its run died:
+# started by a process the parent detached (never recorded), which exits at once, and bound to nothing
+ORPHAN = """
+import subprocess, sys
+from pathlib import Path
+from trace_rl.sandbox import SandboxConfig
+from trace_rl.sandbox.bwrap import bwrap_argv
+work, tmp = Path(sys.argv[1]) / "work", Path(sys.argv[1]) / "tmp"
+work.mkdir(parents=True)
+tmp.mkdir()
+argv = [arg for arg in bwrap_argv(["sleep", "600"], {}, SandboxConfig(), work, tmp, None) if arg != "--die-with-parent"]
+subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+"""
+SANDBOX_PARENT = f"""
+import os, subprocess, sys, time
+from trace_rl.machine import reaper
+reaper.start()
+for owner in (os.getpid(), int(sys.argv[2])):
+    subprocess.run([sys.executable, "-c", {ORPHAN!r}, os.path.join(sys.argv[1], f"{{owner}}-orphan")],
+                   start_new_session=True, check=True)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def sandboxes_in(folder: Path) -> dict[int, int]:
+    """pid -> start time of the bwrap processes whose working folder is in `folder`, and of all below them."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and command(int(entry)).startswith("bwrap ") and f" {folder}/work " in command(int(entry)):
+            for pid in [int(entry), *descendants(int(entry))]:
+                if (status := stat(pid)) is not None:
+                    found[pid] = status.start
+    return found
+
+
+@pytest.mark.skipif(bwrap_lack() is not None, reason=f"the sandbox needs {bwrap_lack()}")
+def test_a_sigkilled_process_takes_its_sandboxes_along_wherever_they_are(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", SANDBOX_PARENT, str(tmp_path), str(os.getpid())], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline() == "started\n"
+    ours, other = tmp_path / f"{parent.pid}-orphan", tmp_path / f"{os.getpid()}-orphan"
+    assert wait_until(lambda: len(sandboxes_in(ours)) == 3 and len(sandboxes_in(other)) == 3, 30)  # bwrap, its pid 1, sleep
+    orphans, others = sandboxes_in(ours), sandboxes_in(other)
+    assert all(stat(pid).ppid != parent.pid and pid not in descendants(parent.pid) for pid in orphans)
+    time.sleep(0.6)  # the reaper looks four times a second
+
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    try:
+        assert wait_until(lambda: not any(is_alive(pid, start) for pid, start in orphans.items()), 5)
+        assert all(is_alive(pid, start) for pid, start in others.items())  # another process's sandbox stays
+    finally:
+        for pid, start in others.items():
+            if is_alive(pid, start):
+                os.kill(pid, signal.SIGKILL)

@@ -99,13 +99,18 @@ def still_running(process: dict[str, str]) -> bool | None:
         return None
 
 
-def command(pid: int) -> str:
-    """The process's command line ('' when it is gone)."""
+def argv(pid: int) -> list[str]:
+    """The process's arguments, its program first ([] when it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            return handle.read().decode(errors="replace").split("\0")[:-1]
     except OSError:
-        return ""
+        return []
+
+
+def command(pid: int) -> str:
+    """The process's command line ('' when it is gone)."""
+    return " ".join(argv(pid)).strip()
 
 
 def memory(pid: int) -> int:

@@ -23,8 +23,10 @@ Two kinds of process are not recorded:
   after unlinking the shared memory they leaked (killing it would leave that in /dev/shm).
 
 A sandbox's bwrap (trace_rl/sandbox) makes a session of its own itself (`--new-session`), so it is recorded
-all the same: its `--die-with-parent` did not always end it with the run (the suite saw a sandbox with a
-daemon outlive a SIGKILLed run).
+all the same. Its `--die-with-parent` leaves a window: bwrap's pid 1 in the sandbox binds itself to the outer
+bwrap only once it has set the sandbox up, so a sandbox that was setting up when the run died outlives it,
+with no parent of the run's (the suite saw such sandboxes, their daemons running). The reaper therefore also
+kills, wherever they are, the bwrap processes whose working folder says they belong to the run's processes.
 
 Standard library only, so the watcher starts in well under a second.
 """
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import threading
 
-from trace_rl.machine.processes import children, command, descendants, is_alive, name, stat
+from trace_rl.machine.processes import argv, children, command, descendants, is_alive, name, stat
 
 POLL_S = 0.25
 RESOURCE_TRACKER = "multiprocessing.resource_tracker"
@@ -77,9 +79,26 @@ def watched(parent: int, session: int, recorded: dict[int, int]) -> None:
             queue.append(child)
 
 
-def kill(recorded: dict[int, int]) -> list[str]:
-    """SIGKILL the recorded processes that still run and everything below them; returns what was killed."""
-    targets = {pid for pid, start in recorded.items() if is_alive(pid, start)}
+def sandbox_owner(pid: int) -> int | None:
+    """The pid of the process whose sandbox the bwrap process `pid` runs, read from the working folder its command
+    line names, `--chdir <root>/<owner pid>-<name>/work` (trace_rl.sandbox.sandbox); None for another process."""
+    args = argv(pid)
+    if not args or args[0] != "bwrap" or "--chdir" not in args[:-1]:
+        return None
+    owner = os.path.basename(os.path.dirname(args[args.index("--chdir") + 1])).split("-", 1)[0]
+    return int(owner) if owner.isdigit() else None
+
+
+def sandboxes(owners: set[int]) -> set[int]:
+    """The bwrap processes of the sandboxes of `owners`, wherever they are now."""
+    return {int(entry) for entry in os.listdir("/proc") if entry.isdigit() and sandbox_owner(int(entry)) in owners}
+
+
+def kill(parent: int, recorded: dict[int, int]) -> list[str]:
+    """SIGKILL the recorded processes that still run, the sandboxes of `parent` and of those processes, and
+    everything below them; returns what was killed."""
+    alive = {pid for pid, start in recorded.items() if is_alive(pid, start)}
+    targets = alive | sandboxes({parent, *alive})  # the pid of a recorded process that has ended may name another
     for pid in list(targets):  # what they started since the last look
         targets |= {child for child in descendants(pid) if RESOURCE_TRACKER not in command(child)}
     killed = []
@@ -104,7 +123,7 @@ def watch(parent: int) -> None:
         if os.getppid() != parent:
             break
         watched(parent, session, recorded)
-    killed = kill(recorded)
+    killed = kill(parent, recorded)
     if killed:
         print(f"trace-rl: the process {parent} is gone; killed the processes it started: {', '.join(killed)}",
               file=sys.stderr, flush=True)

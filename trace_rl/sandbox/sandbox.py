@@ -205,9 +205,9 @@ class Sandbox:
         try:
             command = self.argv(argv, env, server)
             command[1:1] = ["--info-fd", str(report)]
-            # a process group of its own: verifiers signals a live process's group (`SubprocessProcess.kill`); in
-            # this process's session, so that its reaper kills it too where bwrap's --die-with-parent comes too late
-            # (this process killed before bwrap armed it)
+            # a process group of its own: verifiers signals a live process's group (`SubprocessProcess.kill`); where
+            # this process dies before bwrap has bound the sandbox to it (--die-with-parent), its reaper kills the
+            # sandbox, found by its working folder (trace_rl.machine.reaper)
             process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
                                                            process_group=0, **streams)
             os.close(report)
