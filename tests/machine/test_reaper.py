@@ -104,7 +104,8 @@ def test_a_sigkilled_process_takes_its_sandboxes_along_wherever_they_are(tmp_pat
                               stdout=subprocess.PIPE, text=True)
     assert parent.stdout.readline() == "started\n"
     ours, other = tmp_path / f"{parent.pid}-orphan", tmp_path / f"{os.getpid()}-orphan"
-    assert wait_until(lambda: len(sandboxes_in(ours)) == 3 and len(sandboxes_in(other)) == 3, 30)  # bwrap, its pid 1, sleep
+    # each: bwrap, the sandbox's pid 1, sleep
+    assert wait_until(lambda: len(sandboxes_in(ours)) == 3 and len(sandboxes_in(other)) == 3, 30)
     orphans, others = sandboxes_in(ours), sandboxes_in(other)
     assert all(stat(pid).ppid != parent.pid and pid not in descendants(parent.pid) for pid in orphans)
     time.sleep(0.6)  # the reaper looks four times a second
