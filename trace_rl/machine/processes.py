@@ -103,9 +103,10 @@ def argv(pid: int) -> list[str]:
     """The process's arguments, its program first ([] when it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().decode(errors="replace").split("\0")[:-1]
+            args = handle.read().decode(errors="replace").split("\0")
     except OSError:
         return []
+    return args[:-1] if args[-1] == "" else args  # a process that rewrote its title may end it without a NUL
 
 
 def command(pid: int) -> str:
