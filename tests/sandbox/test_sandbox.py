@@ -87,10 +87,13 @@ def test_the_folders_of_a_killed_process_go_when_the_next_sandbox_starts(tmp_pat
 
 def test_a_sigkilled_run_leaves_no_process_of_its_sandbox(tmp_path):
     """The trainer dies by SIGKILL with a program running: bwrap dies with its parent, and its pid namespace
-    with it; the folders go at the next start."""
+    with it; the folders go at the next start. The sandbox started the trainer's reaper, for a sandbox that bwrap
+    has not yet bound to it (tests/machine/test_reaper.py)."""
     import os
     import signal
     import time
+
+    from trace_rl.machine.processes import command, descendants
 
     program = f"""
 import asyncio, sys
@@ -108,6 +111,8 @@ asyncio.run(main())
     uid = int(trainer.stdout.readline())
     time.sleep(1.0)
     assert uid in uids_running()
+    assert [pid for pid in descendants(trainer.pid)
+            if command(pid).endswith(f"-m trace_rl.machine.reaper {trainer.pid}")]
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     deadline = time.monotonic() + 5

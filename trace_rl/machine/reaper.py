@@ -1,9 +1,10 @@
 """The processes a trace-rl process starts die with it, however it ends (SIGKILL included).
 
 `start()` is called where such processes are started: the vLLM engine (`trace_rl.inference.vllm_engine`), the
-torchrun trainer workers (`trace_rl.trainer.launcher`, `trace_rl.trainer.nodes`), and the `trace-rl` commands. So
-every process that starts them has its own reaper, whoever started that process: the CLI, a Prefect worker's or
-`trace-rl serve`'s flow run subprocess, a benchmark side, a library user's script calling the flows.
+torchrun trainer workers (`trace_rl.trainer.launcher`, `trace_rl.trainer.nodes`), a sandbox (`trace_rl.sandbox`),
+and the `trace-rl` commands. So every process that starts them has its own reaper, whoever started that process:
+the CLI, a Prefect worker's or `trace-rl serve`'s flow run subprocess, an env server, a benchmark side, a library
+user's script calling the flows.
 
 A process that dies by SIGKILL runs no cleanup, so its vLLM engine (EngineCore and its model
 worker, ~2.4 GB on CPU) would stay alive with nobody to talk to. `start()` therefore launches a

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trace_rl.machine import reaper
 from trace_rl.sandbox.bwrap import UIDS, bwrap_argv
 from trace_rl.sandbox.config import MIB, SandboxConfig
 
@@ -140,6 +141,9 @@ class Sandbox:
         self.watches: list[asyncio.Future] = []
 
     def start(self) -> None:
+        """Make the sandbox's folders (sweeping those of processes gone) and start this process's reaper, which kills
+        its sandboxes when it dies, even one bwrap has not yet bound to it (trace_rl.machine.reaper)."""
+        reaper.start()
         root = self.folder.parent
         root.mkdir(mode=0o711, parents=True, exist_ok=True)
         sweep(root)
@@ -206,8 +210,8 @@ class Sandbox:
             command = self.argv(argv, env, server)
             command[1:1] = ["--info-fd", str(report)]
             # a process group of its own: verifiers signals a live process's group (`SubprocessProcess.kill`); where
-            # this process dies before bwrap has bound the sandbox to it (--die-with-parent), its reaper kills the
-            # sandbox, found by its working folder (trace_rl.machine.reaper)
+            # this process dies before bwrap has bound the sandbox to it (--die-with-parent), its reaper (`start`)
+            # kills the sandbox, found by its working folder
             process = await asyncio.create_subprocess_exec(*command, env={"LANG": "C.UTF-8"}, pass_fds=(report,),
                                                            process_group=0, **streams)
             os.close(report)
