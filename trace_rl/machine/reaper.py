@@ -80,14 +80,19 @@ def watched(parent: int, session: int, recorded: dict[int, int]) -> None:
             queue.append(child)
 
 
+def folder_owner(folder: str) -> int | None:
+    """The pid that a sandbox's folder, `<root>/<pid>-<name>` (trace_rl.sandbox.sandbox), names; None for another."""
+    owner = os.path.basename(folder).partition("-")[0]
+    return int(owner) if owner.isdigit() else None
+
+
 def sandbox_owner(pid: int) -> int | None:
     """The pid of the process whose sandbox the bwrap process `pid` runs, read from the working folder its command
-    line names, `--chdir <root>/<owner pid>-<name>/work` (trace_rl.sandbox.sandbox); None for another process."""
+    line names, `--chdir <root>/<owner pid>-<name>/work`; None for another process."""
     args = argv(pid)
     if not args or args[0] != "bwrap" or "--chdir" not in args[:-1]:
         return None
-    owner = os.path.basename(os.path.dirname(args[args.index("--chdir") + 1])).split("-", 1)[0]
-    return int(owner) if owner.isdigit() else None
+    return folder_owner(os.path.dirname(args[args.index("--chdir") + 1]))
 
 
 def sandboxes(owners: set[int]) -> set[int]:

@@ -115,8 +115,8 @@ def sweep(root: Path) -> None:
     if not root.is_dir():
         return
     for folder in root.iterdir():
-        pid = folder.name.partition("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        owner = reaper.folder_owner(folder.name)
+        if owner is not None and not Path(f"/proc/{owner}").exists():
             shutil.rmtree(folder, ignore_errors=True)
 
 
