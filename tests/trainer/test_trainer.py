@@ -237,8 +237,23 @@ def test_a_half_precision_step_runs_on_a_compute_copy_not_under_autocast(make_co
     assert all(p.grad is None for p in copy.parameters())
     pairs = trainer.compute.refreshed
     assert not all(torch.equal(half, master.to(torch.bfloat16)) for master, half in pairs)  # AdamW moved the master
-    trainer.compute.refresh()  # the next step's copy: the updated master weights, rounded
+    # the export refreshes the copy (the fused AdamW's writes made known to it) and writes the copy's weights: the
+    # updated master weights, rounded; the next step's refresh then writes nothing
+    weights = load_file(f"{trainer.export_weights(0)}/model.safetensors")
     assert all(torch.equal(half, master.to(torch.bfloat16)) for master, half in pairs)
+    named = dict(trainer.module.named_parameters())
+    assert weights.keys() <= named.keys() and len(weights) == len(pairs)
+    assert all(torch.equal(weights[name], named[name].to(torch.bfloat16)) for name in weights)
+    versions = [half._version for _, half in pairs]
+    trainer.compute.refresh()
+    assert [half._version for _, half in pairs] == versions
+    # a weight written in place (a checkpoint's restore) is cast again, and only it
+    master, half = pairs[0]
+    with torch.no_grad():
+        master.add_(1.0)
+    trainer.compute.refresh()
+    assert torch.equal(half, master.to(torch.bfloat16)) and half._version == versions[0] + 1
+    assert [half._version for _, half in pairs[1:]] == versions[1:]
 
 
 def test_truncated_importance_sampling_reports_the_capped_fraction(make_config):

@@ -10,7 +10,10 @@ hardware whose matmuls run 7x faster in bfloat16 (issue 44: 1.1-1.3x over float3
 The copy holds every parameter in the compute dtype (buffers, the rotary frequencies, stay float32), so the
 model computes as the sampler's half-precision model does: the same dtype at every op, which is also what
 FSDP2's `MixedPrecisionPolicy(param_dtype)` runs per block. `refresh` casts the trainable master weights into
-it at the start of a step (the frozen ones, LoRA's base, once when it is made); `add_gradients` adds its
+it where they changed (the frozen ones, LoRA's base, once when it is made): at the export of the sampler's weights,
+which then reads the copy instead of casting the master into fresh tensors, or else at the start of the next step.
+A weight changed when its version counter moved: an in-place write (a checkpoint's restore) moves it, and the
+trainer moves those of the weights its fused AdamW wrote, which does not (torch 2.13). `add_gradients` adds its
 gradients, in float32, to the master's after each micro-batch's backward, so the sum over micro-batches,
 the gradient clipping and the AdamW update stay float32. Within one backward, the contributions of a weight
 read more than once (the output layer's chunks) add up in the compute dtype, as under FSDP2's.
@@ -47,6 +50,7 @@ class ComputeCopy:
         if isinstance(head, torch.nn.Linear):
             keep_float32_copy(head.weight)  # the float32 output layer's, cast again after each refresh
         self.refreshed = list(self.pairs)  # the (master, copy) pairs `refresh` casts: each storage once
+        self.versions = [master._version for master, _ in self.refreshed]  # each master's at its last cast
         # (master, copy) of a trainable nn.Embedding input, whose sparse gradient `add_gradients` adds after the
         # others (a tied output layer's dense one first)
         self.embedding: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None
@@ -61,9 +65,11 @@ class ComputeCopy:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Cast the trainable master weights into the copy (once per step, before its first forward)."""
-        for master, half in self.refreshed:
-            half.copy_(master)
+        """Cast into the copy each trainable master weight whose version moved since its last cast."""
+        for i, (master, half) in enumerate(self.refreshed):
+            if master._version != self.versions[i]:
+                half.copy_(master)
+                self.versions[i] = master._version
 
     @torch.no_grad()
     def add_gradients(self) -> None:

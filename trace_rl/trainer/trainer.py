@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -395,6 +396,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_factor(t.warmup_steps))
         # a checkpoint written in the background reads the live parameters and AdamW state: the next step waits for it
         self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: checkpoint.WRITER.wait())
+        if self.compute is not None:  # the fused AdamW's writes, made known to the compute copy's `refresh`
+            self.optimizer.register_step_post_hook(
+                lambda optimizer, args, kwargs: increment_version(
+                    [p for group in optimizer.param_groups for p in group["params"]]))
         self.step: int | None = None
         self.logprob_chunk: int | str | None = "auto"  # None: full logits (bench/memory.py's "before")
         self.bfloat16_gemms = takes_bfloat16_gemms(config, self.device, self.dtype)
@@ -616,12 +621,17 @@ class Trainer:
     def export_weights(self, step: int) -> str:
         """Write `weights/<step>/` in Hugging Face format (+ STABLE), loadable by transformers and vLLM as-is.
 
-        The float32 master weights are cast to `model.dtype`, which config.json's `dtype` names.
-        With `[model.lora]` it is the peft adapter alone (`export_adapter`).
+        The float32 master weights are cast to `model.dtype`, which config.json's `dtype` names; with a compute
+        copy, refreshed into it, which the next step then computes with. With `[model.lora]` it is the peft adapter
+        alone (`export_adapter`).
         """
         if self.peft is not None:
             return self.export_adapter(step)
-        state = get_model_state_dict(self.model, options=FULL_STATE)
+        if self.compute is not None:
+            self.compute.refresh()
+            state = self.compute.module.state_dict()
+        else:
+            state = get_model_state_dict(self.model, options=FULL_STATE)
         for alias in self._tied_aliases():
             state.pop(alias, None)
         state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
