@@ -141,7 +141,7 @@ def test_server_start_marks_the_flow_runs_of_dead_processes_crashed(prefect_api,
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     process = identity(gone.pid)  # taken while it runs, as a flow run labels itself
     gone.wait()
-    flow = httpx.post(f"{prefect_api}/flows/", json={"name": "train"}, timeout=10).json()
+    flow = created(f"{prefect_api}/flows/", {"name": "train"})
     labels = {"trace-rl.run": str(tmp_path / "runs" / "ghost"), **{f"trace-rl.{k}": v for k, v in process.items()}}
     ghost = flow_run(prefect_api, flow["id"], "ghost", {"type": "RUNNING"}, labels=labels)
     alive_labels = {**labels, **{f"trace-rl.{k}": v for k, v in identity().items()}}  # this process: alive
@@ -168,18 +168,27 @@ def test_server_start_marks_the_flow_runs_of_dead_processes_crashed(prefect_api,
                    json={"state": {"type": "CANCELLED"}, "force": True}).raise_for_status()
 
 
-def flow_run(api_url: str, flow_id: str, name: str, state: dict, **fields) -> dict:
-    response = httpx.post(f"{api_url}/flow_runs/", timeout=10,
-                          json={"flow_id": flow_id, "name": name, "state": state, **fields})
-    response.raise_for_status()
+def created(url: str, body: dict) -> dict:
+    """POST `body` to `url` and return what the server made. A busy server's answer (429, 502, 503) is tried again
+    twice, as Prefect's client does; any other refusal fails naming the server's answer."""
+    for _ in range(3):
+        response = httpx.post(url, json=body, timeout=10)
+        if response.status_code not in (429, 502, 503):
+            break
+        time.sleep(1)
+    assert response.is_success, f"POST {url}: {response.status_code} {response.text[:500]}"
     return response.json()
+
+
+def flow_run(api_url: str, flow_id: str, name: str, state: dict, **fields) -> dict:
+    return created(f"{api_url}/flow_runs/", {"flow_id": flow_id, "name": name, "state": state, **fields})
 
 
 def subflow(api_url: str, name: str, parent: dict) -> dict:
     """A running `train_step` flow run under `parent`, tied to it by a task run, as Prefect ties subflows."""
-    task = httpx.post(f"{api_url}/task_runs/", timeout=10, json={
-        "flow_run_id": parent["id"], "task_key": "train_step", "dynamic_key": name, "name": name}).json()
-    flow = httpx.post(f"{api_url}/flows/", json={"name": "train_step"}, timeout=10).json()
+    task = created(f"{api_url}/task_runs/",
+                   {"flow_run_id": parent["id"], "task_key": "train_step", "dynamic_key": name, "name": name})
+    flow = created(f"{api_url}/flows/", {"name": "train_step"})
     return flow_run(api_url, flow["id"], name, {"type": "RUNNING"}, parent_task_run_id=task["id"])
 
 
