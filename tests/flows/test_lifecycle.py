@@ -19,7 +19,8 @@ import tomli_w
 
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import ROOT, finish, output, start
-from trace_rl.machine.processes import descendants, is_alive, name, stat
+from trace_rl.machine import processes
+from trace_rl.machine.processes import descendants, is_alive, name
 from trace_rl.storage import RunStorage
 
 GONE_WITHIN_S = 15
@@ -77,8 +78,8 @@ def engine_started(process: subprocess.Popen) -> bool:
     return any(name(pid).startswith("VLLM::EngineCor") for pid in descendants(process.pid))
 
 
-def alive(processes: dict[int, int]) -> list[str]:
-    return [f"{name(pid)} (pid {pid})" for pid, start in processes.items() if is_alive(pid, start)]
+def alive(started: dict[int, int]) -> list[str]:
+    return [f"{name(pid)} (pid {pid})" for pid, start in started.items() if is_alive(pid, start)]
 
 
 def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, config, storage: RunStorage,
@@ -100,7 +101,7 @@ def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, con
         assert run.poll() is None, f"the run ended before step {steps}'s flow run: {output(run)[-3000:]}"
         assert time.monotonic() < deadline, f"step {steps}'s flow run never came"
         time.sleep(0.02)
-    started = {pid: stat(pid).start for pid in descendants(run.pid)}
+    started = processes.started(descendants(run.pid))
     assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
     run.wait()
