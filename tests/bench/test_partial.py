@@ -130,7 +130,7 @@ def test_a_side_killed_mid_step_fails_the_benchmark_at_once_naming_it(prefect_ap
     import time
 
     from bench.partial import BenchmarkFailed, run_round
-    from trace_rl.machine.processes import children, command, descendants, is_alive, name, started
+    from trace_rl.machine.processes import children, command, descendants, is_alive, name, start_times
 
     workload = {**WORKLOAD, "model": tiny_model_path, "max_completion_tokens": 8, "max_model_len": 256,
                 "micro_batch_tokens": 256, "request_timeout_s": 60.0, "warmup_steps": 0}
@@ -144,7 +144,7 @@ def test_a_side_killed_mid_step_fails_the_benchmark_at_once_naming_it(prefect_ap
             for side in [pid for pid in children(os.getpid()) if "bench.partial --side sync" in command(pid)]:
                 tree = [side, *descendants(side)]
                 if any(name(pid).startswith("VLLM::EngineCor") for pid in tree):
-                    killed["tree"] = started(tree)
+                    killed["tree"] = start_times(tree)
                     killed["at"] = time.monotonic()
                     os.kill(side, signal.SIGKILL)
                     return

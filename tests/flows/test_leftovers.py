@@ -19,8 +19,7 @@ import tomli_w
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
 from tests.flows.test_lifecycle import GONE_WITHIN_S, alive
-from trace_rl.machine import processes
-from trace_rl.machine.processes import command, descendants, is_alive, name, stat
+from trace_rl.machine.processes import command, descendants, is_alive, name, start_times, stat
 
 ROOT = Path(__file__).resolve().parents[2]
 # what a library user's script (or a Prefect process worker's flow run) does: call the flow, no CLI, no reaper of its own
@@ -60,7 +59,7 @@ def started(root: int, process: subprocess.Popen, *kinds, timeout: float = 300) 
 
 def kill_alone_and_check_nothing_is_left(pid: int) -> None:
     """SIGKILL `pid` alone (as the OOM killer does) and check that none of its processes outlives it."""
-    started = processes.started(descendants(pid))
+    started = start_times(descendants(pid))
     time.sleep(0.5)  # the reaper records what runs four times a second
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()

@@ -19,8 +19,7 @@ import tomli_w
 
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import ROOT, finish, output, start
-from trace_rl.machine import processes
-from trace_rl.machine.processes import descendants, is_alive, name
+from trace_rl.machine.processes import descendants, is_alive, name, start_times
 from trace_rl.storage import RunStorage
 
 GONE_WITHIN_S = 15
@@ -101,7 +100,7 @@ def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, con
         assert run.poll() is None, f"the run ended before step {steps}'s flow run: {output(run)[-3000:]}"
         assert time.monotonic() < deadline, f"step {steps}'s flow run never came"
         time.sleep(0.02)
-    started = processes.started(descendants(run.pid))
+    started = start_times(descendants(run.pid))
     assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
     run.wait()

@@ -16,7 +16,7 @@ from safetensors.torch import load, load_file
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import finish, output, start
 from trace_rl.machine import processes
-from trace_rl.machine.processes import command, descendants, is_alive, stat
+from trace_rl.machine.processes import command, descendants, is_alive, start_times
 from trace_rl.pipeline.session import session_for
 from trace_rl.runs.loading import load_config
 from trace_rl.storage import RunStorage
@@ -64,8 +64,8 @@ def test_two_gloo_workers_train_as_one_process_and_a_killed_run_takes_them_along
         assert run.poll() is None, f"the run ended before the kill point: {output(run)[-3000:]}"
         assert time.monotonic() < deadline, "kill point never reached"
         time.sleep(0.005)
-    ranks = {pid: stat(pid).start for pid in descendants(run.pid)
-             if "trace_rl.trainer.rank" in command(pid) and "torch.distributed.run" not in command(pid)}
+    ranks = start_times([pid for pid in descendants(run.pid)
+                         if "trace_rl.trainer.rank" in command(pid) and "torch.distributed.run" not in command(pid)])
     assert len(ranks) == 2, [command(pid) for pid in descendants(run.pid)]
     os.kill(run.pid, signal.SIGKILL)  # the train process alone: its workers must not outlive it
     run.wait()

@@ -1,15 +1,15 @@
 import subprocess
 import sys
 
-from trace_rl.machine.processes import started, stat
+from trace_rl.machine.processes import start_times, stat
 
 
-def test_started_keeps_the_running_pids_with_their_start_times_and_leaves_out_those_that_ended():
+def test_start_times_keep_the_running_pids_with_their_start_times_and_leaves_out_those_that_ended():
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()  # reaped: its pid names no process any more
     try:
-        assert started([running.pid, ended.pid]) == {running.pid: stat(running.pid).start}
+        assert start_times([running.pid, ended.pid]) == {running.pid: stat(running.pid).start}
     finally:
         running.kill()
         running.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trace_rl.machine.processes import command, descendants, is_alive, stat
+from trace_rl.machine.processes import command, descendants, is_alive, start_times, stat
 from trace_rl.sandbox import bwrap_lack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detache
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child, detached = map(int, parent.stdout.readline().split())
     assert wait_until(lambda: len(descendants(child)) == 1, 30), "the grandchild never started"
-    started = {pid: stat(pid).start for pid in [*descendants(parent.pid), detached]}
+    started = start_times([*descendants(parent.pid), detached])
     reaper = [pid for pid in started if "trace_rl.machine.reaper" in Path(f"/proc/{pid}/cmdline").read_text()]
     assert len(reaper) == 1 and len(started) == 5  # the reaper, the child and its child, the forked, the detached
     time.sleep(0.6)  # the reaper looks four times a second

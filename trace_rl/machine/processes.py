@@ -40,7 +40,7 @@ def is_alive(pid: int, start: int) -> bool:
     return found is not None and found.start == start and found.state != "Z"
 
 
-def started(pids: list[int]) -> dict[int, int]:
+def start_times(pids: list[int]) -> dict[int, int]:
     """The start time of each of `pids` that still runs: pid -> start (a process that ended meanwhile is left out)."""
     return {pid: found.start for pid in pids if (found := stat(pid)) is not None}
 
