@@ -59,13 +59,13 @@ def started(root: int, process: subprocess.Popen, *kinds, timeout: float = 300) 
 
 def kill_alone_and_check_nothing_is_left(pid: int) -> None:
     """SIGKILL `pid` alone (as the OOM killer does) and check that none of its processes outlives it."""
-    started = start_times(descendants(pid))
+    tree = start_times(descendants(pid))
     time.sleep(0.5)  # the reaper records what runs four times a second
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    while alive(started) and time.monotonic() - killed < GONE_WITHIN_S:
+    while alive(tree) and time.monotonic() - killed < GONE_WITHIN_S:
         time.sleep(0.1)
-    left = [f"{command(pid)} (pid {pid})" for pid, start in started.items() if is_alive(pid, start)]
+    left = [f"{command(pid)} (pid {pid})" for pid, start in tree.items() if is_alive(pid, start)]
     assert not left, f"still alive {GONE_WITHIN_S} s after the kill: {left}"
 
 
