@@ -212,9 +212,10 @@ def shared_vllm(vllm_runtime, tiny_model_path):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(prefect_api, tmp_path_factory) -> bytes:
-    """The final weights of `tests.flows.conftest.small_config`'s 3-step run that nothing interrupts, trained in this
-    process once: the run a crash or fault test of that config (any name, any storage) ends bitwise equal to."""
+def uninterrupted_run(prefect_api, tmp_path_factory):
+    """The storage (`RunStorage`) of `tests.flows.conftest.small_config`'s 3-step run that nothing interrupts,
+    trained in this process once: the run a crash or fault test of that config (any name, any storage) ends bitwise
+    equal to."""
     import tomli_w
 
     from tests.flows.conftest import small_config
@@ -225,8 +226,13 @@ def uninterrupted(prefect_api, tmp_path_factory) -> bytes:
     config = directory / "uninterrupted.toml"
     config.write_text(tomli_w.dumps(small_config(str(directory / "runs"), "uninterrupted", steps=3)))
     train_here(config)
-    storage = RunStorage(str(directory / "runs"), "uninterrupted")
-    return storage.read_bytes(storage.path("weights", "000003", "model.safetensors"))
+    return RunStorage(str(directory / "runs"), "uninterrupted")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(uninterrupted_run) -> bytes:
+    """The final weights (model.safetensors of step 3) of `uninterrupted_run`."""
+    return uninterrupted_run.read_bytes(uninterrupted_run.path("weights", "000003", "model.safetensors"))
 
 
 @pytest.fixture(scope="session")
