@@ -232,7 +232,9 @@ def uninterrupted_run(prefect_api, tmp_path_factory):
 @pytest.fixture(scope="session")
 def uninterrupted(uninterrupted_run) -> bytes:
     """The final weights (model.safetensors of step 3) of `uninterrupted_run`."""
-    return uninterrupted_run.read_bytes(uninterrupted_run.path("weights", "000003", "model.safetensors"))
+    from tests.flows.test_crash_resume import model_bytes
+
+    return model_bytes(uninterrupted_run)
 
 
 @pytest.fixture(scope="session")

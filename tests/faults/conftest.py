@@ -27,11 +27,6 @@ def write_config(directory: Path, name: str, storage: str, steps: int = STEPS, *
     return path
 
 
-def model_bytes(storage, step: int = STEPS) -> bytes:
-    """The safetensors of the weights a run exported after `step`, read through its storage (any fsspec URL)."""
-    return storage.read_bytes(storage.path("weights", f"{step:06d}", "model.safetensors"))
-
-
 class DurableMoto:
     """moto's S3 server on loopback that can be SIGKILLed and restarted with its objects.
 

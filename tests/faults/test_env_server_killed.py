@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.faults.conftest import STEPS, model_bytes, write_config
-from tests.flows.test_crash_resume import finish, output, start, train_here
+from tests.faults.conftest import STEPS, write_config
+from tests.flows.test_crash_resume import finish, model_bytes, output, start, train_here
 from tests.remote.conftest import env_server
 from trace_rl.storage import RunStorage
 

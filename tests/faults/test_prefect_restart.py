@@ -11,8 +11,8 @@ import time
 import pytest
 
 from flows import prefect_server
-from tests.faults.conftest import model_bytes, write_config
-from tests.flows.test_crash_resume import finish, output, start
+from tests.faults.conftest import write_config
+from tests.flows.test_crash_resume import finish, model_bytes, output, start
 from trace_rl.storage import RunStorage
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

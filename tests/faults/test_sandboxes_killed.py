@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.faults.conftest import model_bytes
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, output, start, train_here
+from tests.flows.test_crash_resume import finish, model_bytes, output, start, train_here
 from trace_rl.machine.processes import command, descendants, is_alive, stat
 from trace_rl.sandbox import bwrap_lack
 from trace_rl.sandbox.sandbox import default_root

@@ -67,9 +67,9 @@ def kill_when(process: subprocess.Popen, ready, timeout: float = 300) -> None:
     process.wait()
 
 
-def weights(tmp_path: Path, name: str, step: int = STEPS) -> bytes:
-    storage = RunStorage(str(tmp_path / "runs"), name)
-    return (Path(storage.path("weights", f"{step:06d}")) / "model.safetensors").read_bytes()
+def model_bytes(storage: RunStorage, step: int = STEPS) -> bytes:
+    """The safetensors of the weights a run exported after `step`, read through its storage (any fsspec URL)."""
+    return storage.read_bytes(storage.path("weights", f"{step:06d}", "model.safetensors"))
 
 
 def first_difference(run: RunStorage, reference: RunStorage, steps: int = STEPS) -> str:
@@ -78,15 +78,12 @@ def first_difference(run: RunStorage, reference: RunStorage, steps: int = STEPS)
     batch, or the same batch trained differently)."""
     import pyarrow.parquet as pq
 
-    def model(storage: RunStorage, step: int) -> bytes:
-        return storage.read_bytes(storage.path("weights", f"{step:06d}", "model.safetensors"))
-
     def trained(storage: RunStorage, step: int) -> dict:
         metrics = storage.read_json(storage.step_path(step, "train_metrics.json"))
         return {key: metrics[key] for key in ("loss", "grad_norm", "entropy", "mismatch/mean_abs_logprob_diff")}
 
     for step in range(1, steps + 1):
-        if model(run, step) != model(reference, step):
+        if model_bytes(run, step) != model_bytes(reference, step):
             same = pq.read_table(run.step_path(step, "batch.parquet")).equals(
                 pq.read_table(reference.step_path(step, "batch.parquet")))
             return (f"the weights of step {step} differ first; its batch is {'the same' if same else 'different'}; "
@@ -95,7 +92,7 @@ def first_difference(run: RunStorage, reference: RunStorage, steps: int = STEPS)
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path, uninterrupted, uninterrupted_run):
+def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path, uninterrupted_run):
     config = write_config(tmp_path, "killed")
     storage = RunStorage(str(tmp_path / "runs"), "killed")
     step_file = lambda step, name: lambda: storage.exists(storage.step_path(step, name))  # noqa: E731
@@ -113,4 +110,4 @@ def test_killed_and_resumed_run_ends_bitwise_identical(prefect_api, tmp_path, un
         flags = ("--resume",)
     finish(start(config, "--resume"))
     assert storage.stable_steps("weights") == [1, 2, 3]  # ckpt.keep_weights_every = 1
-    assert weights(tmp_path, "killed") == uninterrupted, first_difference(storage, uninterrupted_run)
+    assert model_bytes(storage) == model_bytes(uninterrupted_run), first_difference(storage, uninterrupted_run)
