@@ -8,8 +8,11 @@ in float32. So for such inputs it is the same GEMM, its float32 sums in another 
 the 2-core AMX Xeon 44.7 ms against 85.3 ms for (370 x 576) x (576 x 49,152), 2.8e-5 from float64 against
 4.5e-5 (bench/RESULTS-bf16.md).
 
-The mode is the process's, not the thread's: while it is on, every float32 matmul of the process on a CPU has its
-inputs rounded to bfloat16, which for other values (a float32 model's, rotary angles) is a loss. So
+The mode is the process's, not the thread's: while it is on, every float32 matmul of the process on a CPU with AMX
+has its inputs rounded to bfloat16, which for other values (a float32 model's, rotary angles) is a loss. On a CPU
+with AVX512-BF16 but no AMX (a Zen 5, torch 2.13) oneDNN runs its float32 kernel instead (`brg_matmul:avx512_core`,
+inputs not rounded): float32's accuracy, and 2-4x the rate of torch's default float32 GEMM there (the output
+layer's 681 x 576 by 576 x 24,576: 108 ms against 202 ms). So
 `bfloat16_products(True)` turns it on for one GEMM and restores the setting after, and a caller passes True only
 where no other thread of its process can run a float32 matmul meanwhile (the caller says why). It has no effect
 on a CPU without bfloat16 instructions (oneDNN keeps float32 there) or on CUDA.
