@@ -16,6 +16,7 @@ class TokenlessRuntime:
     num_endpoints = 1
     tokenizer = None
     policy_step = 0
+    holds_its_weights = True
 
     def __init__(self, config: RuntimeConfig):
         self.key = config.key
@@ -43,6 +44,7 @@ class BaseModelView:
     (a reference, an opd teacher) gets when the policy trains LoRA adapters."""
 
     policy_step = 0
+    holds_its_weights = True
 
     def __init__(self, config: RuntimeConfig, lora_runtime: ModelRuntime):
         self.key = config.key

@@ -36,6 +36,7 @@ class HFRuntime:
     """A `ModelRuntime` over a transformers causal LM loaded in this process."""
 
     num_endpoints = 1
+    holds_its_weights = True  # the model is this runtime's own
 
     def __init__(self, config: RuntimeConfig):
         from transformers import AutoModelForCausalLM

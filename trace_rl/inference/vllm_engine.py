@@ -196,6 +196,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._error: EngineDeadError | None = None
         self.asleep = False  # slept at level 1 for a colocated trainer (VLLMEngineRuntime.sleep)
+        self.weights_owner = None  # the runtime whose load_weights last replaced the full weights (None: none yet)
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
@@ -483,8 +484,16 @@ class VLLMEngineRuntime:
                     raise RuntimeError("vLLM refused to reset its prefix cache after the weight reload")
 
             await self.worker.wait(self.worker.call(reload), self.config.reload_timeout_s, "a weight reload")
+            self.worker.weights_owner = self
             await self._swap_adapter(None)
         self.policy_step = version
+
+    @property
+    def holds_its_weights(self) -> bool:
+        """Whether the engine still runs what this runtime loaded last. The engine is the process's, shared by
+        every session of the same model: another run's session may have loaded its own weights since. A LoRA
+        adapter is this runtime's alone (every request carries it)."""
+        return self.adapter is not None or self.worker.weights_owner is self
 
     async def sleep(self) -> None:
         """Free the GPU for a colocated trainer: level 1 moves the weights to CPU memory and drops the KV cache.

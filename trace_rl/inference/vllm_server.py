@@ -40,6 +40,8 @@ class ServerError(RuntimeError):
 class VLLMServerRuntime:
     """A `ModelRuntime` over one or more vLLM servers serving the same model."""
 
+    holds_its_weights = True  # nothing else in this process loads weights into its servers
+
     def __init__(self, config: RuntimeConfig):
         if not config.base_urls:
             raise ValueError(f"model {config.key!r}: a vLLM server runtime needs base_url")

@@ -67,6 +67,9 @@ class ModelRuntime(Protocol):
     config: RuntimeConfig
     tokenizer: Any  # a transformers tokenizer (with the chat template), always local
     policy_step: int  # the trainer step whose weights it samples with (0: the initial weights)
+    # False once another runtime replaced the weights it loaded last (an in-process vLLM engine is shared by every
+    # session of the process); True where nothing else in this process loads into its model
+    holds_its_weights: bool
 
     @property
     def num_endpoints(self) -> int:

@@ -108,8 +108,9 @@ class Session:
         """Make the policy runtime run the weights step `step` samples with: `weights/<v>` for the schedule's
         v = step - 1 - `[async] max_off_policy_steps` (0 and below: the base model).
 
-        The first sync of a session always loads explicitly: an in-process engine is shared by
-        every session of the process and may hold another run's weights.
+        The first sync of a session always loads explicitly, and so does any sync after another
+        run's session replaced the weights: an in-process engine is shared by every session of the
+        process (`ModelRuntime.holds_its_weights`).
         """
         await self.load_policy(sampling_weights(step, self.config.async_.max_off_policy_steps))
 
@@ -118,9 +119,9 @@ class Session:
         from trace_rl.inference.broadcast import broadcast_weights
         from trace_rl.models.hub import resolve_model_path
 
-        if self._policy_step == wanted:
-            return
         runtime = self.runtimes[POLICY]
+        if self._policy_step == wanted and runtime.holds_its_weights:
+            return
         if wanted == 0:
             await runtime.load_weights(resolve_model_path(self.config.model.name, self.config.model.revision), 0)
             runtime.policy_step = 0
