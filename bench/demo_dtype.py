@@ -1,11 +1,13 @@
 """`make demo`'s step in `model.dtype = "auto"` against `"float32"`, stepped in turn: `python -m bench.demo_dtype`.
 
-Two library runs of configs/math.toml (`bench.step.library_stepper`: `trace_rl.pipeline.step.run_step`, no
-Prefect) in one process, one with `model.dtype = "auto"`, one with `"float32"`, same seed and data. Step `s` of
-both runs back to back, the order alternating (auto first on odd steps), so the load of a shared machine hits
-both alike. Step 1 loads the models and builds the trainers: only steps 2.. count. Per step and run: the wall
+Library runs of configs/math.toml (`bench.step.library_stepper`: `trace_rl.pipeline.step.run_step`, no
+Prefect) in one process, one with `model.dtype = "auto"`, one with `"float32"` (and one per dtype `--dtypes` adds,
+e.g. `bfloat16` on both sides where auto keeps the sampler in float32), same seed and data. Step `s` of every
+run back to back, the order reversed on even steps (auto first on odd steps), so the load of a shared machine
+hits all alike. Step 1 loads the models and builds the trainers: only steps 2.. count. Per step and run: the wall
 time, sampling (`sample_rollouts`), the trainer's compute (`Trainer.optimizer_step`), the rest (algorithms,
-Parquet, checkpoint, weight export and broadcast).
+Parquet, checkpoint, weight export and broadcast), and the sampler-trainer gap the step's importance ratio saw
+(`mismatch/mean_abs_logprob_diff`, the trainer's metric: mean |Δlogprob| over the scored tokens).
 
 The trainer's bfloat16 floor is its step's matmul FLOPs at this machine's bfloat16 matmul rate
 (`bench.trainer.matmul_flops_per_s`, a 1024^3 matmul, measured before and after the steps, the faster kept):
@@ -54,8 +56,9 @@ def demo_model(config):
 
     from trace_rl.models.hub import resolve_model_path
 
+    model_config = AutoConfig.from_pretrained(resolve_model_path(config.model.name))
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(config.model.name)))
+        return AutoModelForCausalLM.from_config(model_config)
 
 
 def trainer_flops(model, metrics: dict) -> float:
@@ -70,11 +73,12 @@ def summary(rows: list[dict], model, rate: float) -> dict:
     warm = rows[1:]
     median = {key: statistics.median(r[key] for r in warm) for key in ("wall", "sampling", "trainer")}
     floor = statistics.median(trainer_flops(model, r["metrics"]) / rate for r in warm)
+    mismatch = statistics.median(r["metrics"]["mismatch/mean_abs_logprob_diff"] for r in warm)
     return {**median, "rest": median["wall"] - median["sampling"] - median["trainer"], "trainer_floor": floor,
-            "trainer_over_floor": median["trainer"] / floor}
+            "trainer_over_floor": median["trainer"] / floor, "mismatch": mismatch}
 
 
-def run(steps: int) -> dict:
+def run(steps: int, dtypes: tuple[str, ...] = DTYPES) -> dict:
     import torch
 
     from bench.step import library_stepper
@@ -85,25 +89,26 @@ def run(steps: int) -> dict:
     cpu = torch.device("cpu")
     rates = [matmul_flops_per_s(cpu, torch.bfloat16)]
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-demo-dtype-") as home, pipeline_timers() as timers:
-        configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps) for dtype in DTYPES}
+        configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps) for dtype in dtypes}
         model = demo_model(configs["float32"])
-        steppers = {dtype: library_stepper(configs[dtype], timers) for dtype in DTYPES}
-        rows: dict[str, list[dict]] = {dtype: [] for dtype in DTYPES}
+        steppers = {dtype: library_stepper(configs[dtype], timers) for dtype in dtypes}
+        rows: dict[str, list[dict]] = {dtype: [] for dtype in dtypes}
         for step in range(1, steps + 1):
-            for dtype in (DTYPES if step % 2 else DTYPES[::-1]):
+            for dtype in (dtypes if step % 2 else dtypes[::-1]):
                 rows[dtype].append(demo_row(steppers[dtype](step)))
                 row = rows[dtype][-1]
                 print(json.dumps({"dtype": dtype, **{k: v for k, v in row.items() if k != "metrics"},
-                                  **{k: row["metrics"][k] for k in ("tokens", "output_positions")}}),
+                                  **{k: row["metrics"][k] for k in ("tokens", "output_positions",
+                                                                    "mismatch/mean_abs_logprob_diff")}}),
                       flush=True)
         rates.append(matmul_flops_per_s(cpu, torch.bfloat16))
         rate = max(rates)
-        result = {dtype: summary(rows[dtype], model, rate) for dtype in DTYPES}
+        result = {dtype: summary(rows[dtype], model, rate) for dtype in dtypes}
     flags = cpu_flags()
     return {
         "steps": steps, "bf16_matmul_gflops": [r / 1e9 for r in rates], "loads": [r["load"] for r in rows["auto"]],
         "auto_is": {side: choose_dtype(False, flags, side)[0] for side in ("trainer", "sampler")},
-        "speedup": result["float32"]["wall"] / result["auto"]["wall"], **result, "rows": rows,
+        "dtypes": list(dtypes), "speedup": result["float32"]["wall"] / result["auto"]["wall"], **result, "rows": rows,
     }
 
 
@@ -111,21 +116,27 @@ def report(result: dict) -> str:
     lines = [f"auto = trainer {result['auto_is']['trainer']}, sampler {result['auto_is']['sampler']}; bf16 matmul "
              f"{', '.join(f'{r:.0f}' for r in result['bf16_matmul_gflops'])} GFLOP/s; load "
              f"{', '.join(f'{x:.1f}' for x in result['loads'])}",
-             "| dtype | step s | sampling s | trainer s | rest s | trainer floor s | trainer / floor |",
-             "|---|---|---|---|---|---|---|"]
-    for dtype in DTYPES:
+             "| dtype | step s | sampling s | trainer s | rest s | trainer floor s | trainer / floor | mismatch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for dtype in result["dtypes"]:
         r = result[dtype]
         lines.append(f"| {dtype} | {r['wall']:.2f} | {r['sampling']:.2f} | {r['trainer']:.2f} | {r['rest']:.2f} | "
-                     f"{r['trainer_floor']:.2f} | {r['trainer_over_floor']:.1f} |")
-    lines.append(f"auto step {result['speedup']:.2f}x float32's (medians of steps 2-{result['steps']})")
+                     f"{r['trainer_floor']:.2f} | {r['trainer_over_floor']:.1f} | {r['mismatch']:.1e} |")
+    lines += [f"{dtype} step {result['float32']['wall'] / result[dtype]['wall']:.2f}x float32's"
+              for dtype in result["dtypes"] if dtype != "float32"]
+    lines.append(f"(medians of steps 2-{result['steps']})")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per dtype (the first is a warm-up)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="model.dtype of each run, comma-separated; auto and float32 always run (e.g. "
+                             "auto,bfloat16,float32 to step bfloat16 on both sides beside auto's choice)")
     args = parser.parse_args(argv)
-    result = run(args.steps)
+    dtypes = tuple(dict.fromkeys(["auto", *args.dtypes.split(","), "float32"]))
+    result = run(args.steps, dtypes)
     print(report(result))
     return result
 

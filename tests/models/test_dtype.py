@@ -1,5 +1,5 @@
 """`model.dtype = "auto"`: bfloat16 on CUDA and on CPUs that compute it faster, float32 elsewhere, per side: the
-samplers stay float32 on an AVX512-BF16 CPU without AMX, where vLLM samples slower in bfloat16."""
+samplers stay float32 on an AVX512-BF16 CPU without AMX, where `make demo` learned less with bfloat16 samplers."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_auto_chooses_by_side_the_trainer_device_and_the_cpu_flags(flags, cuda, 
         chosen, reason = choose_dtype(cuda, frozenset(flags.split()), side)
         assert chosen == expected and why in reason
     if (trainer, sampler) == ("bfloat16", "float32"):
-        assert "vLLM samples slower in bfloat16" in choose_dtype(cuda, frozenset(flags.split()), "sampler")[1]
+        assert "learned less with bfloat16 samplers" in choose_dtype(cuda, frozenset(flags.split()), "sampler")[1]
     with pytest.raises(ValueError, match="side"):
         choose_dtype(cuda, frozenset(flags.split()), "engine")
 
@@ -57,8 +57,8 @@ def test_an_explicit_dtype_stays_and_auto_is_logged_once_per_side(monkeypatch, c
         assert [r.getMessage() for r in caplog.records] == [
             "model.dtype = 'auto' for the trainer: bfloat16, since the CPU computes bfloat16 (avx512_bf16 in "
             "/proc/cpuinfo)",
-            "model.dtype = 'auto' for the sampler: float32, since the CPU has avx512_bf16 but no amx_bf16: vLLM "
-            "samples slower in bfloat16 there (issue 53: 4.6-5.0 s against 3.6-3.7 s a step)"]
+            "model.dtype = 'auto' for the sampler: float32, since the CPU has avx512_bf16 but no amx_bf16: `make "
+            "demo` learned less with bfloat16 samplers there (bench/RESULTS-bf16.md, run 15)"]
     finally:
         resolved_dtype.cache_clear()
 

@@ -11,9 +11,11 @@ The rules, from measurements:
   (2026-11-28, `bench.demo_dtype`, under loads of 3 to 6 on 2 cores): not slower beyond the load's
   noise, which is all the rule needs.
 - A CPU with AVX512-BF16 but no AMX (Zen 4/5): bfloat16 for the trainer, float32 for the
-  samplers. On a 2-core Zen 5 (a bfloat16 2048² matmul at 964 GFLOP/s) `configs/math.toml`'s
-  training took 5.7/13.7 s in bfloat16 against 8.4/13.9 s in float32, but vLLM sampled *slower*:
-  4.6-5.0 s against 3.6-3.7 s (issue 53).
+  samplers. On a 2-core Zen 5 (bfloat16 matmuls at 928-998 GFLOP/s, 2026-11-29) `make demo`'s
+  step was 1.38x float32's so. With bfloat16 samplers too it was 1.85x (vLLM sampled
+  1.3-1.5x faster in bfloat16) but learned less: over seeds 0-2 the mean reward of the last 5
+  of 10 steps was -0.01 to +0.16 above the first 5's, against +0.11 to +0.26 with float32
+  samplers, and the sampler-trainer gap was larger (bench/RESULTS-bf16.md, run 15).
 - A CPU without either (AVX2 only, Arm) emulates bfloat16 at about 1 GFLOP/s: float32, bit for
   bit what `float32` runs.
 
@@ -59,8 +61,8 @@ def choose_dtype(cuda: bool, flags: frozenset[str], side: str = "trainer") -> tu
     if "amx_bf16" in present:
         return "bfloat16", f"the CPU computes bfloat16 ({', '.join(present)} in /proc/cpuinfo)"
     if present and side == "sampler":
-        return "float32", ("the CPU has avx512_bf16 but no amx_bf16: vLLM samples slower in bfloat16 there "
-                           "(issue 53: 4.6-5.0 s against 3.6-3.7 s a step)")
+        return "float32", ("the CPU has avx512_bf16 but no amx_bf16: `make demo` learned less with bfloat16 samplers "
+                           "there (bench/RESULTS-bf16.md, run 15)")
     if present:
         return "bfloat16", f"the CPU computes bfloat16 ({', '.join(present)} in /proc/cpuinfo)"
     return "float32", f"no CUDA, and the CPU has none of {', '.join(BFLOAT16_CPU_FLAGS)} (bfloat16 would be emulated)"
