@@ -384,13 +384,14 @@ def test_clipping_by_the_fused_adamw_s_grad_scale_steps_as_clip_grad_norm(max_no
 
 
 def test_the_fused_clip_s_norm_is_the_float64_norm_of_large_gradients():
-    """`clip_in_fused_adamw`'s norm (BLAS dot products) is within 1e-5 of the float64 norm over millions of values
-    (`get_total_norm`'s float32 sums were 2.3e-4 off for these on the AMX Xeon, bench/RESULTS-bf16.md run 11)."""
+    """`clip_in_fused_adamw`'s norm (BLAS dot products of pieces, summed in float64) is within 1e-6 of the float64
+    norm over millions of values (`get_total_norm`'s float32 sums were 2.3e-4 off for these on the AMX Xeon,
+    bench/RESULTS-bf16.md run 11; one dot product per gradient 2.9e-5 off on a Zen 5)."""
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (8_000_000, 300)]
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator)
     exact = sum(float((p.grad.double() ** 2).sum()) for p in params) ** 0.5
     optimizer = torch.optim.AdamW(params, fused=True)
-    assert float(clip_in_fused_adamw(optimizer, params, 1.0)) == pytest.approx(exact, rel=1e-5)
-    assert float(optimizer.grad_scale) == pytest.approx(exact + 1e-6, rel=1e-5)
+    assert float(clip_in_fused_adamw(optimizer, params, 1.0)) == pytest.approx(exact, rel=1e-6)
+    assert float(optimizer.grad_scale) == pytest.approx(exact + 1e-6, rel=1e-6)

@@ -32,6 +32,13 @@ from trace_rl.models.runtime import Generation, RuntimeConfig, load_tokenizer, s
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def row_key(request: Request) -> tuple:
+    """Where a request goes in its batch: by what it asks, not when it arrived. A CPU GEMM can round a row
+    differently at another position in the batch (seen on a Zen 5), and requests that wait on I/O (a sandbox
+    starting) arrive in another order on each run: so the same requests fill the same rows on every run."""
+    return request.seed, request.prompt_ids, request.temperature, request.top_p, request.max_tokens, request.stop
+
+
 class HFRuntime:
     """A `ModelRuntime` over a transformers causal LM loaded in this process."""
 
@@ -86,7 +93,8 @@ class HFRuntime:
         pad = self.tokenizer.pad_token_id
         generations: dict[int, Generation] = {}
         for adapter in (True, False):  # one batch with the LoRA adapter on, one with it off
-            rows = [i for i, request in enumerate(requests) if request.adapter == adapter]
+            rows = sorted((i for i, request in enumerate(requests) if request.adapter == adapter),
+                          key=lambda i: row_key(requests[i]))
             if rows:
                 with self._lock, self._adapter(adapter):
                     decoded = decode_batch(self.model, [requests[i] for i in rows], stop_ids=self.stop_token_ids,
