@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import Future
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
