@@ -12,7 +12,8 @@ micro-batches of `--micro-batch-tokens` distinct positions.
    and q/k/v gradients, float32 and bfloat16.
 2. Gradients of a small batch: each attention in bfloat16 against a float32 reference
    (`packed_sdpa`, full logits): logprobs max |Δ| and, over all parameters, the cosine and the
-   relative norm of the difference.
+   relative norm of the difference. The clip's gradient norm (`gradient_norm`: a half-precision run's, one
+   multi-tensor reduction on CUDA) over standard normal gradients of the model's shapes against float64.
 3. Timed trainer steps (median of `steps` after two warm-up steps): `packed_sdpa`, `packed_flex`,
    `packed_flex` with its decoder blocks eager (`trainer.compile = false`; on CPU the one compiled
    run), `packed_flex` with the float32 output layer (`trainer.output_layer = "float32"`),
@@ -57,14 +58,14 @@ import numpy as np
 import torch
 
 from bench.logprob_gap import sampled_batch
-from bench.trainer import matmul_flops_per_s, synchronize
+from bench.trainer import best_seconds, matmul_flops_per_s, synchronize
 from trace_rl.config import Config
 from trace_rl.data.sample import TrainingSample
 from trace_rl.models.chunked_head import has_float32_out_mm
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.packing import collate
 from trace_rl.trainer.prefix_tree import build_tree
-from trace_rl.trainer.trainer import Trainer, token_logprobs
+from trace_rl.trainer.trainer import Trainer, gradient_norm, token_logprobs
 from trace_rl.trainer.tree_attention import TREE_ATTENTION, packed_flex_attention
 from trace_rl.trainer.varlen import PACKED_ATTENTION, packed_sdpa_attention
 
@@ -72,10 +73,11 @@ GROUP_SIZE = 8
 # dense bf16 tensor-core FLOP/s (no sparsity) by device name, most specific first
 PEAK_BF16 = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH200", 989.4e12),
              ("A100", 312e12), ("L40S", 362.05e12), ("A10G", 70e12), ("L4", 121e12))
-# what passes: max |Δ| / max |packed_sdpa| per attention output and gradient (float32 on CUDA may take TF32), and
-# the cosine of a small batch's gradient with the float32 reference's
+# what passes: max |Δ| / max |packed_sdpa| per attention output and gradient (float32 on CUDA may take TF32), the
+# cosine of a small batch's gradient with the float32 reference's, and the clip's gradient norm against float64's
 ATTENTION_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 MIN_GRADIENT_COSINE = {"float32": 0.9999, "bfloat16": 0.99}
+GRADIENT_NORM_TOLERANCE = 1e-5
 WARMUP_STEPS = 2
 SHAPES = {  # per mode: workload and timing
     "cuda": {"groups": 8, "prompt_tokens": 512, "completion_tokens": 512, "micro_batch_tokens": 16384, "steps": 3,
@@ -209,6 +211,21 @@ def check_gradients(model: str, storage: str, dtype: str, attentions: list[str],
                      "grad_cosine": cosine, "ok": cosine >= MIN_GRADIENT_COSINE[dtype],
                      "grad_relative_norm": float((grad - reference[1]).norm() / reference[1].norm())})
     return rows
+
+
+def check_gradient_norm(model_config, device: torch.device) -> dict:
+    """The clip's `gradient_norm` (a half-precision run's) over standard normal gradients of the model's parameter
+    shapes, against their float64 norm: its relative error and its best time of 3."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = [p.shape for p in AutoModelForCausalLM.from_config(model_config).parameters()]
+    generator = torch.Generator(device).manual_seed(0)
+    grads = [torch.randn(shape, device=device, generator=generator) for shape in shapes]
+    exact = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    error = abs(float(gradient_norm(grads)) - exact) / exact
+    return {"tensors": len(grads), "relative_error": error, "ok": error <= GRADIENT_NORM_TOLERANCE,
+            "seconds": best_seconds(lambda: gradient_norm(grads), device, 3)}
 
 
 # -- 3. timed steps ----------------------------------------------------------------------------
@@ -387,6 +404,12 @@ def report(result: dict) -> str:
             lines.append(f"| {row['run']} | {row['logprob_max_abs']:.2e} | {row['grad_cosine']:.6f} | "
                          f"{row['grad_relative_norm']:.2e} | {'yes' if row['ok'] else 'NO'} |")
         lines.append("")
+    if "gradient_norm" in result:
+        g = result["gradient_norm"]
+        lines += ["## The clip's gradient norm", "",
+                  f"`gradient_norm` over {g['tensors']} standard normal gradients of the model's shapes: "
+                  f"{g['relative_error']:.1e} off their float64 norm (at most {GRADIENT_NORM_TOLERANCE:.0e}: "
+                  f"{'yes' if g['ok'] else 'NO'}), in {g['seconds'] * 1e3:.1f} ms.", ""]
     if "runs" in result:
         seconds = lambda value: f"{value:.3f}" if value is not None else "-"
         lines += [f"## Trainer steps (median of {result['steps']} after {WARMUP_STEPS} warm-up steps)", "",
@@ -477,6 +500,7 @@ def main(argv: list[str] | None = None) -> dict:
         record("attention", lambda: check_attention(device, vocab))
         record("gradients", lambda: check_gradients(model, storage, dtype, [PACKED_ATTENTION, TREE_ATTENTION] if cuda
                                                     else [PACKED_ATTENTION], vocab))
+        record("gradient_norm", lambda: check_gradient_norm(model_config, device))
         record("runs", lambda: timed_runs(model, storage, dtype, cuda, shape, vocab, flops))
         if any("error" in run for run in result.get("runs", {}).values()):
             result["failed"]["runs"] = "; ".join(f"{name}: {run['error']}" for name, run in result["runs"].items()
@@ -485,12 +509,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                 vocab))
     result["attention_ok"] = all(row["ok"] for row in result.get("attention", []))
     result["gradients_ok"] = all(row["ok"] for row in result.get("gradients", []))
+    result["gradient_norm_ok"] = result.get("gradient_norm", {}).get("ok", False)
     result["wall_seconds"] = time.perf_counter() - started
     text = report(result)
     if out:
         Path(out).write_text(text)
     print(text)
-    if result["failed"] or not (result["attention_ok"] and result["gradients_ok"]):
+    if result["failed"] or not (result["attention_ok"] and result["gradients_ok"] and result["gradient_norm_ok"]):
         raise SystemExit(f"gpu check: a check failed (see {out or 'the report above'})")
     return result
 

@@ -20,6 +20,8 @@ def test_the_gpu_check_runs_on_cpu(tiny_model_path, tmp_path):
     for gradients in result["gradients"]:
         assert gradients["logprob_max_abs"] < 1e-5 and gradients["grad_cosine"] > 1 - 1e-9
         assert 0 < gradients["grad_relative_norm"] < 1e-5 and gradients["ok"]
+    # the clip's norm on CPU: BLAS dot products of pieces, summed in float64
+    assert result["gradient_norm"]["relative_error"] < 1e-6 and result["gradient_norm_ok"]
     runs = result["runs"]
     assert list(runs) == ["packed_sdpa", "packed_sdpa, compile on", "packed_sdpa, float32 head", "LoRA (rank 16)",
                           "FSDP2, one rank"]
@@ -38,6 +40,7 @@ def test_the_gpu_check_runs_on_cpu(tiny_model_path, tmp_path):
     assert text.startswith("# GPU check: CPU (no CUDA)")
     assert "| branch of a branch | float32 |" in text and "| FSDP2, one rank | packed_sdpa | chunked | no |" in text
     assert "| packed_sdpa, compile on | packed_sdpa | chunked | yes |" in text
+    assert "## The clip's gradient norm" in text
 
 
 def test_the_check_refuses_a_machine_without_cuda():
