@@ -143,7 +143,7 @@ def test_importing_one_module_of_trace_rl_imports_none_of_the_public_names_modul
     program = ("import sys, trace_rl.machine.reaper\n"
                "loaded = sorted(m for m in sys.modules if m.startswith('trace_rl'))\n"
                "assert loaded == ['trace_rl', 'trace_rl.machine', 'trace_rl.machine.processes', "
-               "'trace_rl.machine.reaper', 'trace_rl.version'], loaded\n"
+               "'trace_rl.machine.reaper', 'trace_rl.machine.temp_folders', 'trace_rl.version'], loaded\n"
                "assert not {'numpy', 'pydantic', 'pyarrow'} & set(sys.modules)")
     run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]

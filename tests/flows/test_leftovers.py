@@ -19,6 +19,7 @@ import tomli_w
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
 from tests.flows.test_lifecycle import GONE_WITHIN_S, alive
+from trace_rl.machine import temp_folders
 from trace_rl.machine.processes import command, descendants, is_alive, name, start_times, stat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +59,18 @@ def started(root: int, process: subprocess.Popen, *kinds, timeout: float = 300) 
 
 
 def kill_alone_and_check_nothing_is_left(pid: int) -> None:
-    """SIGKILL `pid` alone (as the OOM killer does) and check that none of its processes outlives it."""
+    """SIGKILL `pid` alone (as the OOM killer does) and check that none of its processes outlives it, nor any of
+    its temp folders."""
     tree = start_times(descendants(pid))
+    assert temp_folders.left_by(pid)  # its vLLM engine's, at least
     time.sleep(0.5)  # the reaper records what runs four times a second
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    while alive(tree) and time.monotonic() - killed < GONE_WITHIN_S:
+    while (alive(tree) or temp_folders.left_by(pid)) and time.monotonic() - killed < GONE_WITHIN_S:
         time.sleep(0.1)
     left = [f"{command(pid)} (pid {pid})" for pid, start in tree.items() if is_alive(pid, start)]
     assert not left, f"still alive {GONE_WITHIN_S} s after the kill: {left}"
+    assert not temp_folders.left_by(pid)  # its engine's sockets and log, its workers' private config
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import tomli_w
 
 from tests.flows.conftest import small_config
 from tests.flows.test_crash_resume import ROOT, finish, output, start
+from trace_rl.machine import temp_folders
 from trace_rl.machine.processes import descendants, is_alive, name, start_times
 from trace_rl.storage import RunStorage
 
@@ -102,13 +103,15 @@ def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, con
         time.sleep(0.02)
     started = start_times(descendants(run.pid))
     assert any(name(pid).startswith("VLLM::EngineCor") for pid in started), [name(pid) for pid in started]
+    assert temp_folders.left_by(run.pid)
     os.kill(run.pid, signal.SIGKILL)  # the train process alone, not its process group
     run.wait()
     killed = time.monotonic()
     assert steps not in storage.stable_steps("weights")  # the kill landed inside the last step
-    while alive(started) and time.monotonic() - killed < GONE_WITHIN_S:
+    while (alive(started) or temp_folders.left_by(run.pid)) and time.monotonic() - killed < GONE_WITHIN_S:
         time.sleep(0.1)
     assert not alive(started), f"still alive {GONE_WITHIN_S} s after the kill: {alive(started)}"
+    assert not temp_folders.left_by(run.pid)  # its engine's sockets and log
     unfinished = lambda runs: [r for r in runs if r["state"]["type"] in ("RUNNING", "PENDING")]
     (old,) = unfinished(r for r in flow_runs(api_url, run_name) if r["id"] not in earlier)
     step_runs = flow_runs(api_url, f"{run_name}-step-{steps}")
@@ -117,6 +120,7 @@ def assert_killed_run_leaves_no_process_then_resume_takes_over(api_url: str, con
 
     resumed = start(config, "--resume")
     finish(resumed)
+    assert not temp_folders.left_by(resumed.pid)  # an exit removes them
     new = [r for r in flow_runs(api_url, run_name) if r["id"] not in earlier | {old["id"]}]
     assert [r["state"]["name"] for r in new] == ["Completed"]
     for killed_run in (old, old_step):

@@ -12,7 +12,9 @@ import asyncio
 import logging
 import os
 import signal
+import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +120,11 @@ def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_mo
     finally:
         logging.getLogger().removeHandler(watched)
     assert not watched.closed
+    # its error log and its processes' ZMQ sockets in a temp folder of this process's, not loose in the temp dir
+    folder = Path(runtime.worker.folder)
+    assert folder.name.startswith(f"trace-rl-{os.getpid()}-vllm-")
+    assert {"errors.log", "logging.json"} <= {p.name for p in folder.iterdir()}
+    assert sum(stat.S_ISSOCK(p.stat().st_mode) for p in folder.iterdir()) >= 2
     consoles = [h for h in logging.getLogger("vllm").handlers if h.get_name() == "trace_rl_vllm_console"]
     assert len(consoles) == 1 and consoles[0].level == logging.WARNING
 
@@ -140,3 +147,4 @@ def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_mo
             asyncio.run(asyncio.wait_for(later, 10))
     assert runtime.policy_step == 0
     runtime.worker.stop()
+    assert not folder.exists()

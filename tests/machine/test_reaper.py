@@ -18,16 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SLEEP = "import time; time.sleep(600)"
 # a parent with a reaper, a child that has a child of its own in a session of its own (as torchrun starts its
 # ranks), a forked child (it holds the reaper's pipe open, as vLLM's engine does where it forks, on GPUs), and a
-# process the parent started in its own session (as the embedded Prefect server is started)
+# process the parent started in its own session (as the embedded Prefect server is started); and a temp folder of
+# the parent's (as its vLLM engine's)
 PARENT = f"""
 import multiprocessing, subprocess, sys, time
-from trace_rl.machine import reaper
+from trace_rl.machine import reaper, temp_folders
 reaper.start()
+folder = temp_folders.make("test")
 child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', {SLEEP!r}], start_new_session=True)"])
 forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
 forked.start()
 detached = subprocess.Popen([sys.executable, "-c", {SLEEP!r}], start_new_session=True)
-print(child.pid, detached.pid, flush=True)
+print(child.pid, detached.pid, folder, flush=True)
 time.sleep(600)
 """
 
@@ -41,9 +43,11 @@ def wait_until(condition, timeout: float) -> bool:
     return True
 
 
-def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detached_itself():
+def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detached_itself_and_leaves_no_folder():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    child, detached = map(int, parent.stdout.readline().split())
+    child, detached, folder = parent.stdout.readline().split()
+    child, detached, folder = int(child), int(detached), Path(folder)
+    assert folder.is_dir() and folder.name.startswith(f"trace-rl-{parent.pid}-test-")
     assert wait_until(lambda: len(descendants(child)) == 1, 30), "the grandchild never started"
     started = start_times([*descendants(parent.pid), detached])
     reaper = [pid for pid in started if "trace_rl.machine.reaper" in Path(f"/proc/{pid}/cmdline").read_text()]
@@ -58,6 +62,7 @@ def test_a_sigkilled_process_takes_what_it_started_along_but_not_what_it_detache
         assert wait_until(lambda: not any(is_alive(pid, started[pid]) for pid in gone), 5), [
             pid for pid in gone if is_alive(pid, started[pid])]
         assert is_alive(detached, started[detached])
+        assert wait_until(lambda: not folder.exists(), 5)  # removed by the reaper
     finally:
         os.kill(detached, signal.SIGKILL)
 

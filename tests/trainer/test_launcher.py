@@ -49,7 +49,11 @@ def test_the_same_workers_serve_steps_one_to_three_and_fresh_ones_resume_bitwise
         assert set(served[0]) <= set(processes.descendants(workers.process.pid))  # torchrun's own ranks
         assert workers.step == 3
         launcher = workers.process
+        # the private config and the logs, torchrun's own too, in a temp folder of this process's
+        local = Path(workers.local)
+        assert local.name.startswith(f"trace-rl-{os.getpid()}-workers-") and any((local / "torchrun").iterdir())
     assert launcher.poll() == 0  # a clean stop
+    assert not local.exists()
     assert not any(processes.stat(pid) for pid in served[0])
     expected = weights_bytes(store, 3)
 

@@ -15,6 +15,8 @@ caller gets an `EngineDeadError` naming the engine, the process exit code and th
 error the engine logged, and every later request fails at once. Nothing waits forever.
 The process that starts an engine starts its reaper first (`trace_rl.machine.reaper`): if that process is killed,
 SIGKILL included, the engine's processes die with it, whoever started it (the CLI, a flow run's process, a script).
+The engine's error log and its processes' ZMQ sockets are kept in a temp folder of that process's
+(`trace_rl.machine.temp_folders`), removed when the engine stops or the process ends, however it ends.
 
 On CPU, chunked prefill is off: vLLM samples (and discards) a token for a request whose
 prompt is only partly scheduled, then rewinds that request's seeded generator with
@@ -34,7 +36,6 @@ import logging
 import os
 import queue
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ from trace_rl.errors import EngineDeadError
 from trace_rl.inference.vllm_logging import configure_this_process, quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import CPU_SETUP_METHOD, EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
-from trace_rl.machine import reaper
+from trace_rl.machine import reaper, temp_folders
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.models.lora import check_adapter, is_adapter_dir, vllm_max_lora_rank
 from trace_rl.models.runtime import NEUTRAL_SAMPLING, Generation, RuntimeConfig, load_tokenizer, stop_token_ids
@@ -134,9 +135,9 @@ class EngineLog:
     point to the engine's log.
     """
 
-    def __init__(self, key: str):
-        fd, self.path = tempfile.mkstemp(prefix=f"trace-rl-vllm-{key}-", suffix=".log")
-        os.close(fd)
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, "errors.log")
+        self.config_path = os.path.join(folder, "logging.json")
         self._handler: logging.Handler | None = None  # this process's records to the file
 
     @contextlib.contextmanager
@@ -152,23 +153,20 @@ class EngineLog:
         }
         config["loggers"]["vllm"]["handlers"].append("trace_rl_engine_errors")
         quiet_config(config)
-        config_path = self.path.removesuffix(".log") + ".json"
-        with open(config_path, "w") as handle:
+        with open(self.config_path, "w") as handle:
             json.dump(config, handle)
-        os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = self.config_path
         try:
             self._handler = configure_this_process(self.path)
             yield
         finally:
             del os.environ["VLLM_LOGGING_CONFIG_PATH"]
 
-    def remove(self) -> None:
+    def close(self) -> None:
+        """Stop this process's records going to the file (the engine's folder, which holds it, goes next)."""
         if self._handler is not None:
             logging.getLogger("vllm").removeHandler(self._handler)
             self._handler.close()
-        for path in (self.path, self.path.removesuffix(".log") + ".json"):
-            with contextlib.suppress(OSError):
-                os.remove(path)
 
     def last_error(self) -> str | None:
         """The last exception line the engine logged (e.g. `RuntimeError: Worker failed with error ...`)."""
@@ -182,6 +180,21 @@ class EngineLog:
             if match:
                 return match.group(1)
         return None
+
+
+@contextlib.contextmanager
+def sockets_in(folder: str):
+    """While an engine starts, vLLM's ZMQ IPC sockets in `folder` rather than the temp dir, where vLLM leaves them
+    (7 an engine, at every exit). The processes it spawns then keep the setting; what this process makes while
+    the engine starts is all it makes. A user's own `VLLM_RPC_BASE_PATH` is left alone."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        yield
+        return
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 class EngineWorker:
@@ -200,7 +213,8 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
-        self._log = EngineLog(config.key)
+        self.folder = temp_folders.make("vllm")  # its error log and its processes' ZMQ sockets
+        self._log = EngineLog(self.folder)
         self._started: Future = Future()
         reaper.start()
         self._thread = threading.Thread(target=self._run, name=f"vllm-engine-{config.key}", daemon=True)
@@ -217,7 +231,7 @@ class EngineWorker:
         if "kv_cache_memory_bytes" in arguments:
             logger.info("%s: %s", self.name, kv_cache_note(self._config, arguments["kv_cache_memory_bytes"]))
         try:
-            with self._log.capturing():
+            with self._log.capturing(), sockets_in(self.folder):
                 llm = LLM(model=self.model_path, use_tqdm_on_load=verbose(), **arguments)
                 llm.collective_rpc(CPU_SETUP_METHOD)
                 return llm
@@ -371,7 +385,8 @@ class EngineWorker:
         else:
             future.result()
             self._thread.join()
-        self._log.remove()
+        self._log.close()
+        temp_folders.remove(self.folder)
         with self._lock:  # a runtime still holding this engine fails at once instead of waiting forever
             self._error = self._error or EngineDeadError(f"{self.name} was shut down in this process; build a new "
                                                          "runtime to start a new engine")

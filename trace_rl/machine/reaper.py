@@ -29,6 +29,9 @@ bwrap only once it has set the sandbox up, so a sandbox that was setting up when
 with no parent of the run's (the suite saw such sandboxes, their daemons running). The reaper therefore also
 kills, wherever they are, the bwrap processes whose working folder says they belong to the run's processes.
 
+The parent's temp folders (`trace_rl.machine.temp_folders`: an engine's sockets and log, the trainer workers'
+private config) are removed after the kill: a process killed outright removes nothing itself.
+
 Standard library only, so the watcher starts in well under a second.
 """
 
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import threading
 
+from trace_rl.machine import temp_folders
 from trace_rl.machine.processes import argv, children, command, descendants, is_alive, name, stat
 
 POLL_S = 0.25
@@ -119,7 +123,8 @@ def kill(parent: int, recorded: dict[int, int]) -> list[str]:
 
 
 def watch(parent: int) -> None:
-    """Record `parent`'s processes until it is gone, then kill what of them still runs."""
+    """Record `parent`'s processes until it is gone, then kill what of them still runs and remove its temp
+    folders."""
     session = os.getsid(0)
     recorded: dict[int, int] = {}
     while True:
@@ -130,6 +135,8 @@ def watch(parent: int) -> None:
             break
         watched(parent, session, recorded)
     killed = kill(parent, recorded)
+    for folder in temp_folders.left_by(parent):
+        temp_folders.remove(folder)
     if killed:
         print(f"trace-rl: the process {parent} is gone; killed the processes it started: {', '.join(killed)}",
               file=sys.stderr, flush=True)

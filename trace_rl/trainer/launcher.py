@@ -32,14 +32,13 @@ import io
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from typing import Any, Self
 
 from trace_rl.config import Config
 from trace_rl.errors import RefusedError
-from trace_rl.machine import reaper
+from trace_rl.machine import reaper, temp_folders
 from trace_rl.storage import RunStorage, step_name
 from trace_rl.trainer.nodes import (ControlDir, Heartbeat, NodeSession, NodeWatch, end_workers, heartbeat_interval,
                                     torchrun_command, write_private_config)
@@ -92,7 +91,7 @@ class TrainerWorkers:
 
     def start(self) -> None:
         """Launch the workers and wait until every rank (of every node) has restored the latest checkpoint."""
-        self.local = tempfile.mkdtemp(prefix="trace-rl-workers-")
+        self.local = temp_folders.make("workers")
         config_path = write_private_config(self.local, self.config)
         if self.config.trainer.nnodes > 1:
             self._open_session()

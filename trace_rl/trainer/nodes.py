@@ -35,7 +35,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -45,7 +44,7 @@ from typing import Any
 from trace_rl.config import Config, config_hash
 from trace_rl.credentials import REVEAL
 from trace_rl.errors import RefusedError
-from trace_rl.machine import processes, reaper
+from trace_rl.machine import processes, reaper, temp_folders
 from trace_rl.storage import RunStorage, first_unfinished_step
 
 POLL_S = 0.02  # a local directory (one node) or a run on a local or shared file system
@@ -128,7 +127,9 @@ def write_private_config(directory: str, config: Config) -> str:
 
 def torchrun_command(config: Config, control: str, config_path: str, node_rank: int = 0,
                      session: str | None = None) -> list[str]:
-    """The torchrun command that starts this node's workers; its ranks watch this process (their launcher)."""
+    """The torchrun command that starts this node's workers; its ranks watch this process (their launcher).
+    torchrun's own logs go beside the private config, in the caller's temp folder (else torchrun leaves a folder
+    of them in the temp dir at every start)."""
     trainer = config.trainer
     if trainer.nnodes == 1:
         rendezvous = ["--standalone", "--nnodes", "1"]
@@ -138,6 +139,7 @@ def torchrun_command(config: Config, control: str, config_path: str, node_rank: 
                       "--rdzv-endpoint", trainer.rdzv_endpoint, "--rdzv-id", session, "--rdzv-conf", conf]
     me = processes.stat(os.getpid())
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(trainer.num_processes),
+            "--log-dir", os.path.join(os.path.dirname(config_path), "torchrun"),
             "-m", "trace_rl.trainer.rank", "--control", control, "--config", config_path,
             "--parent", f"{os.getpid()}:{me.start}", "--node-rank", str(node_rank)]
 
@@ -336,7 +338,7 @@ def serve_node(config: Config, node_rank: int, wait_s: float | None = None,
     skipped."""
     storage = check_node(config, node_rank)
     wait_s = rendezvous_timeout_s(config) if wait_s is None else wait_s
-    private = tempfile.mkdtemp(prefix="trace-rl-node-")
+    private = temp_folders.make("node")
     config_path = write_private_config(private, config)
     try:
         while True:
