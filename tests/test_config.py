@@ -45,6 +45,13 @@ def test_wrong_types_and_missing_keys():
     assert any(p.startswith("trainer.lr:") and "'fast'" in p for p in found)
 
 
+def test_a_value_that_fits_no_member_of_a_union_is_one_problem_at_its_key():
+    found = problems(minimal(trainer={"compile": "maybe"}, models={"ref": {"name": "tiny", "base_url": 3}}))
+    assert sorted(found) == [
+        "models.ref.base_url: Input should be a valid string or a valid list (got 3)",
+        "trainer.compile: Input should be 'auto' or a valid boolean, unable to interpret input (got 'maybe')"]
+
+
 def test_policy_key_is_reserved_and_actor_must_be_token_capable():
     assert any("reserved" in p for p in problems(minimal(models={"policy": {"name": "tiny"}})))
     assert any("actor: 'ref' is not a model" in p for p in problems(minimal(actor="ref")))

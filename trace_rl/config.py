@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -723,6 +724,29 @@ def _describe(err: dict, model: type[BaseModel]) -> str:
     return f"{where}: {msg}" if where != "<top level>" else msg
 
 
+# pydantic's name of a union member in an error's location: a type (`str`, "literal['auto']", `list[str]`), no key
+UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|bytes)$|[^A-Za-z0-9_]")
+
+
+def union_errors_merged(errors: list[dict]) -> list[dict]:
+    """One error per value: pydantic reports a value that fits no member of a union (`trainer.compile`, `auto` or a
+    bool) once per member, each under the member's name; merged, the key is the field's and the message says what
+    each member wanted ("Input should be 'auto' or a valid boolean")."""
+    merged: dict[tuple, dict] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if loc and isinstance(loc[-1], str) and UNION_MEMBER.search(loc[-1]):
+            key = (loc[:-1], repr(err.get("input")))
+            if key in merged:
+                merged[key]["msg"] += " or " + err["msg"].removeprefix("Input should be ")
+                continue
+            err = {**err, "loc": loc[:-1]}
+        else:
+            key = (loc, id(err))
+        merged[key] = dict(err)
+    return list(merged.values())
+
+
 def _parse_value(text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -763,7 +787,7 @@ def parse_config(data: dict[str, Any]) -> Config:
     try:
         return Config(**data)
     except ValidationError as exc:
-        raise ConfigError([_describe(err, Config) for err in exc.errors()]) from None
+        raise ConfigError([_describe(err, Config) for err in union_errors_merged(exc.errors())]) from None
 
 
 def read_config_data(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
