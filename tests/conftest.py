@@ -90,11 +90,11 @@ def prefect_api(tmp_path_factory):
     prefect_server.stop()
 
 
-def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
+def start_vllm_server(model_path: str, port: int, log, sockets: str) -> subprocess.Popen:
     """A real OpenAI-compatible vLLM server on 127.0.0.1:`port` with trace-rl's weight-reload extension and LoRA
     adapters of rank <= LORA_RANK loadable at run time, and the token-in/token-out `/inference/v1/generate` that
-    verifiers env servers sample from (--enable-scale-out), in its own process group (killpg stops its engine too);
-    returns once it listens."""
+    verifiers env servers sample from (--enable-scale-out), in its own process group (killpg stops its engine too),
+    its ZMQ sockets in the folder `sockets` (vLLM leaves them in the temp dir); returns once it listens."""
     from trace_rl.inference.vllm_worker import EXTENSION
 
     proc = subprocess.Popen(
@@ -103,7 +103,8 @@ def start_vllm_server(model_path: str, port: int, log) -> subprocess.Popen:
          "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
          "--kv-cache-memory-bytes", str(2**28), "--worker-extension-cls", EXTENSION,
          "--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "1", "--enable-scale-out"],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+             "VLLM_RPC_BASE_PATH": sockets},
         stdout=log, stderr=subprocess.STDOUT, process_group=0,
     )
     wait_for_port(port, 300, proc)
@@ -116,12 +117,13 @@ class VLLMServer:
 
     def __init__(self, model_path: str, log_path):
         self.model_path, self.log_path, self.port = model_path, log_path, free_port()
+        self.sockets = str(log_path.parent)
         self.url = f"http://127.0.0.1:{self.port}"
         self.restart()
 
     def restart(self) -> None:
         with open(self.log_path, "ab") as log:
-            self.process = start_vllm_server(self.model_path, self.port, log)
+            self.process = start_vllm_server(self.model_path, self.port, log, self.sockets)
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -19,6 +19,7 @@ from safetensors.torch import load
 from tests.conftest import free_port
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.config import Config, config_to_toml
+from trace_rl.machine import temp_folders
 from trace_rl.tables import write_batch
 from trace_rl.trainer.launcher import TrainerWorkers
 from trace_rl.trainer.lifecycle import train_one_step
@@ -148,6 +149,8 @@ def kill_node_one(control_dir: ControlDir, node: subprocess.Popen) -> None:
         if ready["node"] == 1:
             os.kill(ready["pid"], signal.SIGKILL)
     node.wait()
+    for folder in temp_folders.left_by(node.pid):  # its reaper died with it; a lost machine's disk goes with it too
+        temp_folders.remove(folder)
 
 
 @pytest.mark.slow
