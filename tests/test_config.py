@@ -50,6 +50,9 @@ def test_a_value_that_fits_no_member_of_a_union_is_one_problem_at_its_key():
     assert sorted(found) == [
         "models.ref.base_url: Input should be a valid string or a valid list (got 3)",
         "trainer.compile: Input should be 'auto' or a valid boolean, unable to interpret input (got 'maybe')"]
+    # a key that looks like a type name is still the key
+    assert problems(minimal(trainer={"max-lr": 1}))[0].startswith("trainer.max-lr: unknown key")
+    assert problems(minimal(models={"my-ref": 3}))[0].startswith("models.my-ref: Input should be a valid dictionary")
 
 
 def test_policy_key_is_reserved_and_actor_must_be_token_capable():

@@ -731,20 +731,29 @@ UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|bytes)$|[^A-Za-z0-9_]")
 def union_errors_merged(errors: list[dict]) -> list[dict]:
     """One error per value: pydantic reports a value that fits no member of a union (`trainer.compile`, `auto` or a
     bool) once per member, each under the member's name; merged, the key is the field's and the message says what
-    each member wanted ("Input should be 'auto' or a valid boolean")."""
-    merged: dict[tuple, dict] = {}
-    for err in errors:
+    each member wanted ("Input should be 'auto' or a valid boolean"). Only two or more errors of one value are
+    members: a single one whose key merely looks like a type (`models.my-ref`) keeps its key."""
+    def member_of(err: dict) -> tuple | None:
         loc = tuple(err["loc"])
-        if loc and isinstance(loc[-1], str) and UNION_MEMBER.search(loc[-1]):
-            key = (loc[:-1], repr(err.get("input")))
-            if key in merged:
-                merged[key]["msg"] += " or " + err["msg"].removeprefix("Input should be ")
-                continue
-            err = {**err, "loc": loc[:-1]}
-        else:
-            key = (loc, id(err))
-        merged[key] = dict(err)
-    return list(merged.values())
+        if err["type"] != "extra_forbidden" and loc and isinstance(loc[-1], str) and UNION_MEMBER.search(loc[-1]):
+            return loc[:-1], repr(err.get("input"))
+        return None
+
+    groups: dict[tuple, list[dict]] = {}
+    for err in errors:
+        if (key := member_of(err)) is not None:
+            groups.setdefault(key, []).append(err)
+    merged, done = [], set()
+    for err in errors:
+        key = member_of(err)
+        members = groups.get(key, []) if key is not None else []
+        if len(members) < 2:
+            merged.append(err)
+        elif key not in done:
+            done.add(key)
+            wanted = [members[0]["msg"], *(m["msg"].removeprefix("Input should be ") for m in members[1:])]
+            merged.append({**members[0], "loc": key[0], "msg": " or ".join(wanted)})
+    return merged
 
 
 def _parse_value(text: str) -> Any:

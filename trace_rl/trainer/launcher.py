@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -224,7 +223,7 @@ class TrainerWorkers:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.local is not None:
-            shutil.rmtree(self.local, ignore_errors=True)
+            temp_folders.remove(self.local)
         self.process, self.local, self.control_dir, self.pids, self._starts, self.step = None, None, None, [], [], None
         self.session, self.watch, self._heartbeat = None, None, None
         _RUNNING.discard(self)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -352,7 +351,7 @@ def serve_node(config: Config, node_rank: int, wait_s: float | None = None,
                 say(f"node {node_rank}: the run has trained all {session.info['steps']} steps")
                 return
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        temp_folders.remove(private)
 
 
 def next_session(storage: RunStorage, config: Config, node_rank: int, wait_s: float) -> NodeSession:

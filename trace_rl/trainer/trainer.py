@@ -313,7 +313,7 @@ def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     14 ms, where one dot product per gradient was 4.3e-5 off in 11 ms (that CPU's BLAS sums a long vector less
     exactly; 5e-6 off on the AMX Xeon, in 23 ms against `torch.nn.utils.get_total_norm`'s 52, run 11 of
     bench/RESULTS-bf16.md). Elsewhere (CUDA): `get_total_norm`'s multi-tensor kernels, a few launches for all the
-    gradients where the pieces would take one each (1,900 for Qwen2.5-0.5B)."""
+    gradients where the pieces would take one each (about 2,100 for Qwen2.5-0.5B)."""
     if not grads:
         return torch.zeros(())
     if grads[0].device.type != "cpu":
