@@ -43,8 +43,10 @@ def test_activation_checkpointing_recomputes_blocks_and_gives_the_same_step(make
 @pytest.mark.slow
 def test_fsdp_in_bfloat16_computes_with_bfloat16_parameters(make_config):
     """With the policy, norms and embeddings also compute on bf16 copies (autocast alone keeps them float32), as
-    they do on one process's bfloat16 compute copy: measured, exported weights differ from one process by at
-    most 6e-8 (by 1.2e-3, one bf16 ulp, when the one process ran under autocast)."""
+    they do on one process's bfloat16 compute copy: the exported weights are one process's but for a few values a
+    bf16 ulp apart, where the float32 master weights' sums (in another order) round to the other side (none on a
+    Zen 5, 3 of 435,328 on a 2-core AMX Xeon). Under autocast they were 1.2e-3 (a bf16 ulp of the larger weights)
+    apart."""
     single = make_config("single-bf16", micro_batch_tokens=48)
     single.model.dtype = "bfloat16"
     store1 = storage_for(single)
@@ -60,4 +62,7 @@ def test_fsdp_in_bfloat16_computes_with_bfloat16_parameters(make_config):
     a, b = exported(store1, 0), exported(store2, 0)
     assert {w.dtype for w in b.values()} == {torch.bfloat16}
     # without the policy FSDP2 would compute under autocast on float32 weights: a bf16 ulp apart
-    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
+    apart = {k: (a[k].float() - b[k].float()).abs() for k in a}
+    ulp = {k: torch.maximum(a[k].float().abs(), b[k].float().abs()) * 2.0**-7 for k in a}  # a bf16 ulp at most
+    assert all(bool((apart[k] <= ulp[k]).all()) for k in a)
+    assert sum(int((d > 0).sum()) for d in apart.values()) <= 1e-4 * sum(d.numel() for d in apart.values())

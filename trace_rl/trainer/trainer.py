@@ -37,6 +37,7 @@ from trace_rl.config import Config, ConfigError, LossConfig
 from trace_rl.data.sample import TrainingSample
 from trace_rl.imports import import_modules
 from trace_rl.losses import resolve_loss
+from trace_rl.machine.freed_memory import keep_freed_memory
 from trace_rl.models.hub import resolve_model_path
 from trace_rl.names import LOSS_NAMES
 from trace_rl.storage import RunStorage, step_name
@@ -355,6 +356,10 @@ class Trainer:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.device = resolve_device(config.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+        if self.device.type == "cpu":  # a CPU step's tensors come from malloc: no page faults for the same memory
+            why = keep_freed_memory()
+            if self.rank == 0:
+                logger.info("trainer memory: %s", why)
         torch.manual_seed(config.seed)
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
