@@ -3,7 +3,7 @@
 A CPU trainer step allocates and frees the same large tensors every step (activations, the output layer's chunks,
 the float32 gradients). glibc serves a block over its mmap threshold (128 KiB, rising to 32 MiB) with a fresh
 `mmap` and gives it back with `munmap` when freed, and gives a heap's free top back past its trim threshold. So
-each step touches fresh pages again: one page fault per 4 KiB, 110-180k of them in the demo's bfloat16 step (the
+each step touches fresh pages again: one page fault per 4 KiB, 60-180k of them in the demo's bfloat16 step (the
 pages zeroed each time), and on a VM whose balloon reports free pages to its host (virtio-balloon
 `VIRTIO_BALLOON_F_REPORTING`) a fault on the host too, for pages given back a while ago. On the 2-core AMX Xeon
 (bench/RESULTS-bf16.md, run 17) that made the same step take 1.72-2.97 s; with the memory kept, 1.60-1.71 s and
