@@ -39,12 +39,8 @@ class RequestBatcher:
 
     def submit(self, request: Any) -> Future:
         future: Future = Future()
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
         with self._arrived:
-            self._pending.append((request, future, loop))
+            self._pending.append((request, future, running_loop()))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name=self._name, daemon=True)
                 self._worker.start()
@@ -87,6 +83,14 @@ class RequestBatcher:
 
 _idle_waiters: dict[asyncio.AbstractEventLoop, list[threading.Event]] = {}
 _idle_lock = threading.Lock()
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread; None on a plain thread."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def wait_until_idle(loop: asyncio.AbstractEventLoop) -> None:

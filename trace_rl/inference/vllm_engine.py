@@ -45,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trace_rl.errors import EngineDeadError
+from trace_rl.inference.batcher import running_loop, wait_until_idle
 from trace_rl.inference.vllm_logging import configure_this_process, quiet_config, quiet_imports, verbose
 from trace_rl.inference.vllm_worker import CPU_SETUP_METHOD, EXTENSION, RELOAD_METHOD
 from trace_rl.inference.weights import check_weights, local_tensor_shapes
@@ -299,30 +300,28 @@ class EngineWorker:
                 commands = [self._inbox.get(block=not busy)]
             except queue.Empty:
                 commands = []
+            if commands and not busy:  # a step's first requests: take all the loops that sent them can send
+                for loop in {command[3] for command in commands if command[3] is not None}:
+                    wait_until_idle(loop)
             while not self._inbox.empty():
                 commands.append(self._inbox.get_nowait())
-            for kind, (command_id, payload), future in commands:
-                if kind == "stop":
-                    engine.engine_core.shutdown()
-                    future.set_result(None)
-                    return
-                if not future.set_running_or_notify_cancel():
+            for are_requests, group in itertools.groupby(commands, key=lambda command: command[0] == "request"):
+                if are_requests:
+                    self._add_requests(engine, list(group))
                     continue
-                with self._lock:  # whoever pops a pending future resolves it: this thread or `_fail`
-                    self._pending[command_id] = future
-                try:
-                    if kind == "request":
-                        prompt_ids, params, lora_request = payload
-                        engine.add_request(command_id, {"type": "token", "prompt_token_ids": prompt_ids}, params,
-                                           lora_request=lora_request)
-                    else:
+                for kind, (command_id, payload), future, _ in group:
+                    if kind == "stop":
+                        engine.engine_core.shutdown()
+                        future.set_result(None)
+                        return
+                    if not future.set_running_or_notify_cancel():
+                        continue
+                    with self._lock:  # whoever pops a pending future resolves it: this thread or `_fail`
+                        self._pending[command_id] = future
+                    try:
                         self._resolve(command_id, result=payload(llm))
-                except Exception as exc:  # noqa: BLE001 - reported to the caller through its future
-                    reason = self._dead_reason()
-                    if reason is not None:
-                        self._fail(EngineDeadError(f"{self.name} died: {self._describe(exc, reason)}"))
-                    else:
-                        self._resolve(command_id, error=exc)
+                    except Exception as exc:  # noqa: BLE001 - reported to the caller through its future
+                        self._failed(command_id, exc)
             if self._error is None and engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
@@ -332,6 +331,41 @@ class EngineWorker:
                 for output in outputs:
                     if output.finished:
                         self._resolve(output.request_id, result=output)
+
+    def _add_requests(self, engine, commands: list) -> None:
+        """Add requests that arrived together as one group, in the order of what they ask (seed, then prompt).
+
+        vLLM's engine core runs in its own process and schedules as soon as it holds a request, and each request
+        reaches it as a message of its own, so without the hold its first engine step would batch whichever of
+        them had arrived: a different batch on each run, and on CPU a batch's rows round differently with its
+        size and order (bfloat16 on an AMX Xeon sampled other tokens). Its scheduler is paused ("keep": running
+        requests keep their place) while the group is added."""
+        commands = sorted((c for c in commands if c[2].set_running_or_notify_cancel()), key=request_order)
+        with self._lock:
+            self._pending.update((command_id, future) for _, (command_id, _), future, _ in commands)
+        held = len(commands) > 1 and hasattr(engine.engine_core, "call_utility")  # in-process cores step on call
+        try:
+            if held:
+                engine.engine_core.call_utility("pause_scheduler", "keep", False)
+            for _, (command_id, (prompt_ids, params, lora_request)), _, _ in commands:
+                try:
+                    engine.add_request(command_id, {"type": "token", "prompt_token_ids": prompt_ids}, params,
+                                       lora_request=lora_request)
+                except Exception as exc:  # noqa: BLE001 - reported to the caller through its future
+                    self._failed(command_id, exc)
+            if held and self._error is None:
+                engine.engine_core.call_utility("resume_scheduler")
+        except Exception as exc:  # noqa: BLE001 - a scheduler that cannot pause or resume fails the group
+            for _, (command_id, _), _, _ in commands:
+                self._failed(command_id, exc)
+
+    def _failed(self, command_id: str, exc: Exception) -> None:
+        """A command raised: the engine died (every caller hears of it), or only this command failed."""
+        reason = self._dead_reason()
+        if reason is not None:
+            self._fail(EngineDeadError(f"{self.name} died: {self._describe(exc, reason)}"))
+        else:
+            self._resolve(command_id, error=exc)
 
     def _resolve(self, command_id: str, result: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
@@ -350,7 +384,9 @@ class EngineWorker:
             if self._error is not None:
                 future.set_exception(self._error)
                 return future
-            self._inbox.put((kind, (f"{kind}-{next(self._ids)}", payload), future))
+            # a request's loop, to wait for its other requests; a call's caller may block its loop on the call
+            loop = running_loop() if kind == "request" else None
+            self._inbox.put((kind, (f"{kind}-{next(self._ids)}", payload), future, loop))
         return future
 
     def submit(self, prompt_ids: list[int], params, lora_request=None) -> Future:
@@ -565,6 +601,13 @@ def check_full_distribution_scoring(key: str, vocab_size: int, temperature: floa
             f"{vocab_size}-token vocabulary at every position (vLLM's prompt logprobs are at temperature 1); "
             "score at temperature 1.0 (e.g. the opd/opsd option temperature = 1.0) or use backend = 'hf'"
         )
+
+
+def request_order(command) -> tuple:
+    """The order of a group of requests in an engine's batch: by what each asks, not by when it arrived (rollouts
+    that wait on a tool or a sandbox arrive in another order on each run)."""
+    prompt_ids, params, lora_request = command[1][1]
+    return params.seed is None, params.seed or 0, prompt_ids, lora_request.lora_int_id if lora_request else 0
 
 
 def sampling_params(stop_token_ids: list[int], stop: Sequence[str], **fields):
