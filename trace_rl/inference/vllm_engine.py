@@ -1,8 +1,8 @@
 """The `vllm` sampler in this process: one engine per model, started once and reused.
 
 The engine is vLLM's synchronous `LLMEngine`, owned by one worker thread that runs
-continuous batching: it adds every queued request, steps the engine, and resolves each
-request's future when it finishes. Async callers await those futures from any event
+continuous batching: it adds the queued requests as one group (`EngineWorker._add_requests`
+says why), steps the engine, and resolves each request's future when it finishes. Async callers await those futures from any event
 loop, so rollouts of many steps (each maybe under its own `asyncio.run`) share one
 engine. (vLLM's `AsyncLLM` binds its output handler to the loop it first ran on, which
 breaks when a later step runs a new loop.) Weight reloads run on the same thread
