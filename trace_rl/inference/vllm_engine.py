@@ -14,7 +14,8 @@ checks them twice a second; when one is gone, or an engine step raises, every wa
 caller gets an `EngineDeadError` naming the engine, the process exit code and the last
 error the engine logged, and every later request fails at once. Nothing waits forever.
 The process that starts an engine starts its reaper first (`trace_rl.machine.reaper`): if that process is killed,
-SIGKILL included, the engine's processes die with it, whoever started it (the CLI, a flow run's process, a script).
+SIGKILL included, the engine's processes die with it, whoever started it (the CLI, a flow run's process, a script);
+when it exits without stopping its engines, they stop at its exit (`stop_engines_at_exit`).
 The engine's error log and its processes' ZMQ sockets are kept in a temp folder of that process's
 (`trace_rl.machine.temp_folders`), removed when the engine stops or the process ends, however it ends.
 
@@ -28,8 +29,10 @@ prompt is prefilled in one engine step, so the budget is at least `max_model_len
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import logging
@@ -355,9 +358,8 @@ class EngineWorker:
                     self._failed(command_id, exc)
             if held and self._error is None:
                 engine.engine_core.call_utility("resume_scheduler")
-        except Exception as exc:  # noqa: BLE001 - a scheduler that cannot pause or resume fails the group
-            for _, (command_id, _), _, _ in commands:
-                self._failed(command_id, exc)
+        except Exception as exc:  # noqa: BLE001 - an engine whose scheduler may stay paused is of no more use
+            self._fail(EngineDeadError(f"{self.name}: its scheduler did not pause or resume: {self._describe(exc)}"))
 
     def _failed(self, command_id: str, exc: Exception) -> None:
         """A command raised: the engine died (every caller hears of it), or only this command failed."""
@@ -444,6 +446,7 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
     key = (config.key, resolve_model_path(config.name, config.revision), config.dtype, config.max_model_len,
            config.max_num_batched_tokens, config.enforce_eager, config.sleep_mode,
            config.lora and vllm_max_lora_rank(config.lora.rank))
+    stop_engines_at_exit()
     with ENGINES_LOCK:
         if key in ENGINES and ENGINES[key]._error is not None:
             del ENGINES[key]
@@ -452,14 +455,32 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
         return ENGINES[key]
 
 
-def shutdown_engines() -> None:
-    """Stop every engine of this process, all at once (each waits seconds for its processes to exit); they
-    otherwise stop when the process exits."""
+def shutdown_engines(at_once: bool = True) -> None:
+    """Stop every engine of this process, all at once (each waits seconds for its processes to exit), or one
+    after another (at exit, where no new thread may start)."""
     with ENGINES_LOCK:
         engines = list(ENGINES.values())
         ENGINES.clear()
-        with ThreadPoolExecutor(max_workers=max(len(engines), 1)) as pool:
-            list(pool.map(EngineWorker.stop, engines))
+        if at_once and len(engines) > 1:
+            with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+                list(pool.map(EngineWorker.stop, engines))
+        else:
+            for engine in engines:
+                engine.stop()
+
+
+@functools.cache
+def stop_engines_at_exit() -> None:
+    """Have this process stop its engines when it exits, before multiprocessing joins its child processes.
+
+    vLLM's engine-core process is not a daemon, and it exits when its engine shuts down, which vLLM leaves to
+    weakref finalizers. A process that made any weakref finalizer before it imported multiprocessing runs
+    those finalizers after multiprocessing's join at exit, which then waits on the engine core for good: a
+    script that never called `shutdown_engines` did not exit. atexit runs the handler registered last first,
+    and this one is registered after multiprocessing's."""
+    import multiprocessing.util  # noqa: F401 - registers its exit handler when first imported
+
+    atexit.register(shutdown_engines, at_once=False)
 
 
 class VLLMEngineRuntime:
