@@ -1,13 +1,13 @@
 """The `vllm` sampler in this process: one engine per model, started once and reused.
 
-The engine is vLLM's synchronous `LLMEngine`, owned by one worker thread that runs
-continuous batching: it adds the queued requests as one group (`EngineWorker._add_requests`
-says why), steps the engine, and resolves each request's future when it finishes. Async
-callers await those futures from any event loop, so rollouts of many steps (each maybe
-under its own `asyncio.run`) share one engine. (vLLM's `AsyncLLM` binds its output handler to the loop it first ran on, which
-breaks when a later step runs a new loop.) Weight reloads run on the same thread
-between engine steps, so no forward pass sees half-loaded weights; a request still in
-flight continues on the new weights, so broadcast between rollout steps.
+The engine is vLLM's synchronous `LLMEngine`, owned by one worker thread that runs continuous
+batching: it adds the queued requests as one group (`EngineWorker._add_requests` says why), steps
+the engine, and resolves each request's future when it finishes. Async callers await those futures
+from any event loop, so rollouts of many steps (each maybe under its own `asyncio.run`) share one
+engine. (vLLM's `AsyncLLM` binds its output handler to the loop it first ran on, which breaks when a
+later step runs a new loop.) Weight reloads run on the same thread between engine steps, so no
+forward pass sees half-loaded weights; a request still in flight continues on the new weights, so
+broadcast between rollout steps.
 
 The engine's processes (EngineCore and its model worker) can die. A monitor thread
 checks them twice a second; when one is gone, or an engine step raises, every waiting
