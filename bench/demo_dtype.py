@@ -33,11 +33,11 @@ DEMO_CONFIG = "configs/math.toml"
 DTYPES = ("auto", "float32")
 
 
-def demo_config(storage: str, dtype: str, steps: int):
+def demo_config(storage: str, dtype: str, steps: int, seed: int = 0):
     from trace_rl.runs.loading import load_config
 
     return load_config(DEMO_CONFIG, [f"model.dtype={json.dumps(dtype)}", f"name={json.dumps('demo-' + dtype)}",
-                                     f"storage={json.dumps(storage)}", f"steps={steps}"])
+                                     f"storage={json.dumps(storage)}", f"steps={steps}", f"seed={seed}"])
 
 
 def demo_row(row: dict) -> dict:
@@ -78,7 +78,7 @@ def summary(rows: list[dict], model, rate: float) -> dict:
             "trainer_over_floor": median["trainer"] / floor, "mismatch": mismatch}
 
 
-def run(steps: int, dtypes: tuple[str, ...] = DTYPES) -> dict:
+def run(steps: int, dtypes: tuple[str, ...] = DTYPES, seed: int = 0) -> dict:
     import torch
 
     from bench.step import library_stepper
@@ -89,7 +89,7 @@ def run(steps: int, dtypes: tuple[str, ...] = DTYPES) -> dict:
     cpu = torch.device("cpu")
     rates = [matmul_flops_per_s(cpu, torch.bfloat16)]
     with tempfile.TemporaryDirectory(prefix="trace-rl-bench-demo-dtype-") as home, pipeline_timers() as timers:
-        configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps) for dtype in dtypes}
+        configs = {dtype: demo_config(os.path.join(home, "runs"), dtype, steps, seed) for dtype in dtypes}
         model = demo_model(configs["float32"])
         steppers = {dtype: library_stepper(configs[dtype], timers) for dtype in dtypes}
         rows: dict[str, list[dict]] = {dtype: [] for dtype in dtypes}
@@ -106,7 +106,7 @@ def run(steps: int, dtypes: tuple[str, ...] = DTYPES) -> dict:
         result = {dtype: summary(rows[dtype], model, rate) for dtype in dtypes}
     flags = cpu_flags()
     return {
-        "steps": steps, "bf16_matmul_gflops": [r / 1e9 for r in rates], "loads": [r["load"] for r in rows["auto"]],
+        "steps": steps, "seed": seed, "bf16_matmul_gflops": [r / 1e9 for r in rates], "loads": [r["load"] for r in rows["auto"]],
         "auto_is": {side: choose_dtype(False, flags, side)[0] for side in ("trainer", "sampler")},
         "dtypes": list(dtypes), "speedup": result["float32"]["wall"] / result["auto"]["wall"], **result, "rows": rows,
     }
@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtypes", default=",".join(DTYPES),
                         help="model.dtype of each run, comma-separated; auto and float32 always run (e.g. "
                              "auto,bfloat16,float32 to step bfloat16 on both sides beside auto's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (the demo's is 0): another seed samples "
+                                                                "other completions, of other lengths")
     args = parser.parse_args(argv)
     dtypes = tuple(dict.fromkeys(["auto", *args.dtypes.split(","), "float32"]))
-    result = run(args.steps, dtypes)
+    result = run(args.steps, dtypes, args.seed)
     print(report(result))
     return result
 

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.build import build_runtime
-from trace_rl.inference.vllm_engine import engine_arguments, kv_cache_note
+from trace_rl.inference.vllm_engine import SMALL_CPU_CORES, engine_arguments, engine_environment, kv_cache_note
 from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.runs.loading import load_config
 
@@ -54,6 +54,26 @@ def test_the_cpu_kv_cache_is_sized_to_the_steps_sequences_unless_set():
     assert kv_cache_note(policy, int(1.25 * 64 * 1024 * 1024)) == (
         "KV cache 80 MB (sized to a step: 64 sequences x 1024 tokens)")
     assert kv_cache_note(fixed, 2**29) == "KV cache 512 MB (set by inference.cpu_kv_cache_gb)"
+
+
+def test_on_a_cpu_of_two_cores_the_model_computes_on_both_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    assert engine_environment("/f", is_cpu=True, cores=2) == {"VLLM_RPC_BASE_PATH": "/f",
+                                                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert engine_environment("/f", is_cpu=True, cores=1)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert engine_environment("/f", is_cpu=True, cores=4) == {"VLLM_RPC_BASE_PATH": "/f"}  # vLLM keeps one of 4
+    assert engine_environment("/f", is_cpu=False, cores=2) == {"VLLM_RPC_BASE_PATH": "/f"}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/mine")
+    assert engine_environment("/f", is_cpu=True, cores=2) == {}
+
+
+def worker_cores(engine_pid: int) -> set[int]:
+    """The cores the threads of an engine's model worker (EngineCore's child) may run on."""
+    with open(f"/proc/{engine_pid}/task/{engine_pid}/children") as handle:
+        (worker,) = handle.read().split()
+    return set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{worker}/task")))
 
 
 def test_seeded_requests_past_the_step_budget_sample_the_same_tokens_as_alone(vllm_runtime):
@@ -127,6 +147,9 @@ def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_mo
     assert sum(stat.S_ISSOCK(p.stat().st_mode) for p in folder.iterdir()) >= 2
     consoles = [h for h in logging.getLogger("vllm").handlers if h.get_name() == "trace_rl_vllm_console"]
     assert len(consoles) == 1 and consoles[0].level == logging.WARNING
+    cores = os.sched_getaffinity(0)
+    if len(cores) <= SMALL_CPU_CORES and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        assert worker_cores(engine_pid(runtime)) == cores  # none kept for the scheduler (vllm_engine.py says why)
 
     async def sample_then_kill():
         prompt = list(range(5, 205))

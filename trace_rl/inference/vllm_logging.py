@@ -15,7 +15,8 @@ nothing is wrong with a run:
   engine of `model.dtype` bfloat16/float16: the weight loader casts each tensor to that dtype, as asked;
 - notes about the CPU platform and about settings trace-rl chose on purpose: Triton is missing,
   the V1 model runner, eager mode, chunked prefill off (vllm_engine.py says why), LD_PRELOAD hints, the SSM cache
-  type of a model without one.
+  type of a model without one; on a CPU of 2 cores, that the model computes on both (no core kept for the
+  scheduler) and that its worker then runs two threads.
 
 `--verbose` (`TRACE_RL_VERBOSE=1`) shows everything, vLLM's INFO lines and progress bars included.
 A logging set-up of the user's own (`VLLM_LOGGING_CONFIG_PATH`, `VLLM_CONFIGURE_LOGGING=0`) is
@@ -51,6 +52,8 @@ KNOWN_HARMLESS = re.compile(
     r"|^This model does not officially support disabling chunked prefill"
     r"|^(libtcmalloc|libiomp) is not found in LD_PRELOAD"
     r"|^Reset SSM cache type to float32 for accelerated GDN mamba backend"
+    r"|^VLLM_CPU_NUM_OF_RESERVED_CPU is less than the minimum requirement"
+    r"|^OMP_NUM_THREADS=\d+ is set; leaving Torch threads at \d+ for serving"
     r"|^vLLM has deprecated support for supporting different tokenizers for different LoRAs"  # ours have none
 )
 
