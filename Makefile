@@ -1,5 +1,5 @@
 # The quickstart: `make demo` and `make test`. Both set up .venv first, once per dependency spec.
-# `make demo` trains the real SmolLM2-135M-Instruct (configs/math.toml: 10 steps, 2.3 minutes measured on 2 idle
+# `make demo` trains the real SmolLM2-135M-Instruct (configs/math.toml: 10 steps, 1.7 minutes measured on 2 idle
 # AMX cores in bfloat16, 13 on 2 busy AVX2 ones in float32, see README.md); `make demo-tiny` is the one-minute run of the tiny random model (configs/demo.toml).
 # Both pass --overwrite (README.md says so): running one again starts its run directory afresh instead of being
 # refused.
