@@ -21,7 +21,8 @@ import pytest
 from tests.conftest import VLLM_ENGINE, VLLM_OVERRIDES
 from trace_rl.errors import EngineDeadError
 from trace_rl.inference.build import build_runtime
-from trace_rl.inference.vllm_engine import SMALL_CPU_CORES, engine_arguments, engine_environment, kv_cache_note
+from trace_rl.inference.vllm_engine import (computes_on_every_core, engine_arguments, engine_environment,
+                                            kv_cache_note)
 from trace_rl.models.runtime import RuntimeConfig
 from trace_rl.runs.loading import load_config
 
@@ -56,17 +57,25 @@ def test_the_cpu_kv_cache_is_sized_to_the_steps_sequences_unless_set():
     assert kv_cache_note(fixed, 2**29) == "KV cache 512 MB (set by inference.cpu_kv_cache_gb)"
 
 
-def test_on_a_cpu_of_two_cores_the_model_computes_on_both_unless_the_user_says_otherwise(monkeypatch):
+def test_on_a_cpu_of_two_cores_the_model_computes_on_both_unless_the_trainer_computes_beside_it(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    assert engine_environment("/f", is_cpu=True, cores=2) == {"VLLM_RPC_BASE_PATH": "/f",
-                                                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert engine_environment("/f", is_cpu=True, cores=1)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
-    assert engine_environment("/f", is_cpu=True, cores=4) == {"VLLM_RPC_BASE_PATH": "/f"}  # vLLM keeps one of 4
-    assert engine_environment("/f", is_cpu=False, cores=2) == {"VLLM_RPC_BASE_PATH": "/f"}
+    from trace_rl.pipeline.colocation import runtime_configs
+
+    configs = {k: runtime_configs(load_config(os.path.join(CONFIGS, "math.toml"), [f"async.max_off_policy_steps={k}"]),
+                                  cuda_available=False)["policy"] for k in (0, 1)}
+    assert computes_on_every_core(configs[0], is_cpu=True, cores=2)
+    assert computes_on_every_core(configs[0], is_cpu=True, cores=1)
+    assert not computes_on_every_core(configs[1], is_cpu=True, cores=2)  # the trainer needs a core meanwhile
+    assert not computes_on_every_core(configs[0], is_cpu=True, cores=4)  # vLLM keeps one of 4
+    assert not computes_on_every_core(configs[0], is_cpu=False, cores=2)
+    assert engine_environment("/f", every_core=True) == {"VLLM_RPC_BASE_PATH": "/f",
+                                                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert engine_environment("/f", every_core=False) == {"VLLM_RPC_BASE_PATH": "/f"}
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/mine")
-    assert engine_environment("/f", is_cpu=True, cores=2) == {}
+    assert not computes_on_every_core(configs[0], is_cpu=True, cores=2)
+    assert engine_environment("/f", every_core=True) == {}
 
 
 def worker_cores(engine_pid: int) -> set[int]:
@@ -148,7 +157,7 @@ def test_an_engine_killed_while_sampling_fails_every_wait_within_seconds(tiny_mo
     consoles = [h for h in logging.getLogger("vllm").handlers if h.get_name() == "trace_rl_vllm_console"]
     assert len(consoles) == 1 and consoles[0].level == logging.WARNING
     cores = os.sched_getaffinity(0)
-    if len(cores) <= SMALL_CPU_CORES and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+    if computes_on_every_core(runtime.config, is_cpu=True, cores=len(cores)):
         assert worker_cores(engine_pid(runtime)) == cores  # none kept for the scheduler (vllm_engine.py says why)
 
     async def sample_then_kill():

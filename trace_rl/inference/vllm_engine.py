@@ -186,22 +186,37 @@ class EngineLog:
         return None
 
 
-SMALL_CPU_CORES = 2  # on a CPU with at most this many cores, vLLM's model computes on all of them
+SMALL_CPU_CORES = 2  # on a CPU with at most this many cores, vLLM's model computes on all of them when it can
 
 
-def engine_environment(folder: str, is_cpu: bool, cores: int) -> dict[str, str]:
-    """The variables an engine's processes start with, each unless the user set it:
+def computes_on_every_core(config: RuntimeConfig, is_cpu: bool, cores: int) -> bool:
+    """Whether the engine's model computes on every core, beside vLLM's scheduler process: on a CPU of at most
+    `SMALL_CPU_CORES` cores (`cores`: those this process may run on) where nothing trains while it samples, unless
+    the user set `VLLM_CPU_NUM_OF_RESERVED_CPU`.
 
-    - `VLLM_RPC_BASE_PATH = folder`: vLLM's ZMQ IPC sockets in the engine's folder rather than the temp dir, where
-      vLLM leaves them (7 an engine, at every exit);
-    - `VLLM_CPU_NUM_OF_RESERVED_CPU = 0` on a CPU of at most `SMALL_CPU_CORES` cores: vLLM keeps one core for its
-      scheduler process, which on 2 cores leaves the model one; on both it samples the demo's step 1.5x faster
-      (docs/inference.md).
-    """
-    values = {"VLLM_RPC_BASE_PATH": folder}
-    if is_cpu and cores <= SMALL_CPU_CORES:
-        values["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    vLLM keeps one core for its scheduler, which on 2 cores leaves the model one: on both it samples the demo's step
+    1.5x faster and the step after it is no slower. With `[async] max_off_policy_steps` >= 1 the trainer computes on
+    those cores while the engine samples, and its steps were a quarter slower with the model on both
+    (docs/inference.md)."""
+    return (is_cpu and cores <= SMALL_CPU_CORES and not config.samples_beside_training
+            and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ)
+
+
+def engine_environment(folder: str, every_core: bool) -> dict[str, str]:
+    """The variables an engine's processes start with, each unless the user set it: `VLLM_RPC_BASE_PATH = folder`
+    (vLLM's ZMQ IPC sockets in the engine's folder rather than the temp dir, where vLLM leaves them, 7 an engine at
+    every exit), and with `every_core` (`computes_on_every_core`) `VLLM_CPU_NUM_OF_RESERVED_CPU = 0`."""
+    values = {"VLLM_RPC_BASE_PATH": folder, **({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"} if every_core else {})}
     return {name: value for name, value in values.items() if name not in os.environ}
+
+
+@functools.cache
+def vllm_on_cpu() -> bool:
+    """Whether this process's vLLM computes on the CPU (its platform)."""
+    quiet_imports()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 @contextlib.contextmanager
@@ -243,14 +258,13 @@ class EngineWorker:
     def _start_engine(self):
         quiet_imports()
         from vllm import LLM
-        from vllm.platforms import current_platform
 
-        arguments = engine_arguments(self._config, current_platform.is_cpu())
+        arguments = engine_arguments(self._config, vllm_on_cpu())
         if "kv_cache_memory_bytes" in arguments:
             logger.info("%s: %s", self.name, kv_cache_note(self._config, arguments["kv_cache_memory_bytes"]))
         try:
-            variables = engine_environment(self.folder, current_platform.is_cpu(), len(os.sched_getaffinity(0)))
-            with self._log.capturing(), environment(variables):
+            every_core = computes_on_every_core(self._config, vllm_on_cpu(), len(os.sched_getaffinity(0)))
+            with self._log.capturing(), environment(engine_environment(self.folder, every_core)):
                 llm = LLM(model=self.model_path, use_tqdm_on_load=verbose(), **arguments)
                 llm.collective_rpc(CPU_SETUP_METHOD)
                 return llm
@@ -454,13 +468,15 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
 
     Keyed by the runtime key too: a `reference` must keep its weights when `policy`,
     though the same model, receives a broadcast; and by the LoRA rank it serves (an engine
-    with LoRA enabled is started for LoRA runs only). Not keyed by the run seed: every request
-    carries its own seed, so runs of different seeds share an engine. A dead engine is
+    with LoRA enabled is started for LoRA runs only), and by whether its model computes on every core
+    (`computes_on_every_core`: a synchronous and an asynchronous run on 2 cores get one engine each). Not keyed by
+    the run seed: every request carries its own seed, so runs of different seeds share an engine. A dead engine is
     replaced by a new one.
     """
     key = (config.key, resolve_model_path(config.name, config.revision), config.dtype, config.max_model_len,
            config.max_num_batched_tokens, config.enforce_eager, config.sleep_mode,
-           config.lora and vllm_max_lora_rank(config.lora.rank))
+           config.lora and vllm_max_lora_rank(config.lora.rank),
+           computes_on_every_core(config, vllm_on_cpu(), len(os.sched_getaffinity(0))))
     stop_engines_at_exit()
     with ENGINES_LOCK:
         if key in ENGINES and ENGINES[key]._error is not None:

@@ -46,6 +46,7 @@ class RuntimeConfig(BaseModel):
     step_sequences: int = 64  # sequences a step keeps in the engine at once (its rollouts in flight)
     gpu_memory_utilization: float = 0.5  # this engine's share of the GPU (trace_rl.pipeline.colocation.memory_shares)
     sleep_mode: bool = False  # start vLLM with sleep mode: it sleeps while a colocated trainer runs (GPU only)
+    samples_beside_training: bool = False  # the trainer computes while it samples ([async] max_off_policy_steps >= 1)
     enforce_eager: bool = True
     request_timeout_s: float = 120.0
     stop_tokens: list[str] | None = None  # None: the tokenizer's eos token

@@ -151,6 +151,7 @@ def runtime_configs(config: Config, cuda_available: bool | None = None) -> dict[
         "reload_timeout_s": inference.reload_timeout_s,
         "seed": config.seed,
         "sleep_mode": sleep_mode,
+        "samples_beside_training": config.async_.max_off_policy_steps > 0,
     }
     configs = {
         POLICY: RuntimeConfig(
