@@ -106,7 +106,8 @@ def run(steps: int, dtypes: tuple[str, ...] = DTYPES, seed: int = 0) -> dict:
         result = {dtype: summary(rows[dtype], model, rate) for dtype in dtypes}
     flags = cpu_flags()
     return {
-        "steps": steps, "seed": seed, "bf16_matmul_gflops": [r / 1e9 for r in rates], "loads": [r["load"] for r in rows["auto"]],
+        "steps": steps, "seed": seed, "bf16_matmul_gflops": [r / 1e9 for r in rates],
+        "loads": [r["load"] for r in rows["auto"]],
         "auto_is": {side: choose_dtype(False, flags, side)[0] for side in ("trainer", "sampler")},
         "dtypes": list(dtypes), "speedup": result["float32"]["wall"] / result["auto"]["wall"], **result, "rows": rows,
     }

@@ -233,10 +233,11 @@ def environment(values: dict[str, str]):
 class EngineWorker:
     """A vLLM engine driven by a dedicated thread; submit requests or calls, get futures back."""
 
-    def __init__(self, config: RuntimeConfig):
+    def __init__(self, config: RuntimeConfig, every_core: bool):
         self.model_path = resolve_model_path(config.name, config.revision)
         self.name = f"vLLM engine for {config.key!r} ({self.model_path})"
         self._config = config
+        self._every_core = every_core  # its model computes on every core (`computes_on_every_core`)
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -263,8 +264,7 @@ class EngineWorker:
         if "kv_cache_memory_bytes" in arguments:
             logger.info("%s: %s", self.name, kv_cache_note(self._config, arguments["kv_cache_memory_bytes"]))
         try:
-            every_core = computes_on_every_core(self._config, vllm_on_cpu(), len(os.sched_getaffinity(0)))
-            with self._log.capturing(), environment(engine_environment(self.folder, every_core)):
+            with self._log.capturing(), environment(engine_environment(self.folder, self._every_core)):
                 llm = LLM(model=self.model_path, use_tqdm_on_load=verbose(), **arguments)
                 llm.collective_rpc(CPU_SETUP_METHOD)
                 return llm
@@ -473,16 +473,16 @@ def engine_for(config: RuntimeConfig) -> EngineWorker:
     the run seed: every request carries its own seed, so runs of different seeds share an engine. A dead engine is
     replaced by a new one.
     """
+    every_core = computes_on_every_core(config, vllm_on_cpu(), len(os.sched_getaffinity(0)))
     key = (config.key, resolve_model_path(config.name, config.revision), config.dtype, config.max_model_len,
            config.max_num_batched_tokens, config.enforce_eager, config.sleep_mode,
-           config.lora and vllm_max_lora_rank(config.lora.rank),
-           computes_on_every_core(config, vllm_on_cpu(), len(os.sched_getaffinity(0))))
+           config.lora and vllm_max_lora_rank(config.lora.rank), every_core)
     stop_engines_at_exit()
     with ENGINES_LOCK:
         if key in ENGINES and ENGINES[key]._error is not None:
             del ENGINES[key]
         if key not in ENGINES:
-            ENGINES[key] = EngineWorker(config)
+            ENGINES[key] = EngineWorker(config, every_core)
         return ENGINES[key]
 
 
