@@ -11,6 +11,7 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
+from tests.bitwise import difference
 from tests.flows.conftest import small_config
 from tests.flows.test_lifecycle import cli
 from trace_rl.runs.loading import validate_config
@@ -45,7 +46,7 @@ def test_eval_every_2_steps_leaves_the_training_weights_bitwise_identical(runs):
                 RunStorage(config.storage, config.name).path("weights", f"{step:06d}"))
         a, b = (Path(RunStorage(c.storage, c.name).path("weights", f"{step:06d}", "model.safetensors")).read_bytes()
                 for c in runs)
-        assert a == b, f"weights of step {step} differ with eval"
+        assert (why := difference(a, b)) is None, f"weights of step {step} differ with eval: {why}"
     assert [eval_dir(evaluated, s).joinpath("STABLE").exists() for s in (1, 2, 3, 4)] == [False, True, False, True]
     assert not eval_dir(plain, 2).parent.exists()
 

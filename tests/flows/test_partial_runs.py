@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tests.bitwise import difference
 from tests.flows.test_crash_resume import STEPS, finish, output, start, train_here, write_config
 from trace_rl.pipeline.partial import read_in_flight
 from trace_rl.pipeline.schedule import sampling_weights
@@ -150,9 +151,9 @@ def test_a_run_with_partial_rollouts_killed_at_every_stage_of_a_step_resumes_bit
     assert storage.stable_steps("weights") == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         for table in ("traces.parquet", "batch.parquet", "in_flight.json"):
-            assert Path(storage.step_path(step, table)).read_bytes() == Path(
-                expected.step_path(step, table)).read_bytes(), (step, table)
+            why = difference(*(Path(run.step_path(step, table)).read_bytes() for run in (storage, expected)))
+            assert why is None, f"step {step}'s {table}: {why}"
     adapter = ("weights", step_name(STEPS), "adapter_model.safetensors")
-    assert Path(storage.path(*adapter)).read_bytes() == Path(expected.path(*adapter)).read_bytes()
+    assert (why := difference(*(Path(run.path(*adapter)).read_bytes() for run in (storage, expected)))) is None, why
     assert np.array_equal(*(pq.read_table(s.path("eval", f"step_{STEPS:06d}", "samples.parquet"))["reward"]
                             for s in (storage, expected)))
