@@ -1,10 +1,14 @@
-"""Bitwise comparisons of files whose failure says where they part, in a line: a failed `assert a == b` on bytes
-prints both in full (1.7 MB for the tiny model's weights), and in CI, where pytest truncates nothing, it does so on
-the short summary's line, which then hides the name of the test that failed."""
+"""Bitwise comparisons of files and of runs whose failure says where they part, in a line: a failed `assert a == b`
+on bytes prints both in full (1.7 MB for the tiny model's weights), and in CI, where pytest truncates nothing, it
+does so on the short summary's line, which then hides the name of the test that failed."""
 
 from __future__ import annotations
 
+import io
+
 import torch
+
+from trace_rl.storage import RunStorage
 
 SHOWN = 4  # differing tensors named in a message
 
@@ -43,3 +47,39 @@ def safetensors_or_none(data: bytes) -> dict[str, torch.Tensor] | None:
         return load(data)
     except (SafetensorError, ValueError, TypeError):
         return None
+
+
+def weights_bytes(storage: RunStorage, step: int) -> bytes:
+    """The safetensors of the weights a run exported after `step`, read through its storage (any fsspec URL)."""
+    return storage.read_bytes(storage.path("weights", f"{step:06d}", "model.safetensors"))
+
+
+def weights_difference(run: RunStorage, reference: RunStorage, step: int | None = None) -> str | None:
+    """None when the weights `run` and `reference` exported after `step` (None: `run`'s newest) are the same bytes;
+    else where `run` first parts from `reference`: the first step whose weights differ and in which tensors, whether
+    its batch does, and both runs' training metrics of that step (what tells a different batch from the same batch
+    trained differently)."""
+    import pyarrow.parquet as pq
+
+    step = run.stable_steps("weights")[-1] if step is None else step
+    if weights_bytes(run, step) == weights_bytes(reference, step):
+        return None
+
+    def trained(storage: RunStorage, step: int) -> dict:
+        metrics = storage.read_json(storage.step_path(step, "train_metrics.json"))
+        return {key: metrics.get(key) for key in ("loss", "grad_norm", "entropy", "mismatch/mean_abs_logprob_diff")}
+
+    def batch(storage: RunStorage, step: int):
+        path = storage.step_path(step, "batch.parquet")
+        return pq.read_table(io.BytesIO(storage.read_bytes(path))) if storage.exists(path) else None
+
+    def differ(s: int) -> bool:
+        kept = all(storage.is_stable(storage.path("weights", f"{s:06d}")) for storage in (run, reference))
+        return kept and weights_bytes(run, s) != weights_bytes(reference, s)
+
+    first = next(s for s in range(1, step + 1) if s == step or differ(s))
+    here, there = batch(run, first), batch(reference, first)
+    same = "unknown" if here is None or there is None else "the same" if here.equals(there) else "different"
+    tensors = difference(weights_bytes(run, first), weights_bytes(reference, first))
+    return (f"the weights of step {first} differ first ({tensors}); its batch is {same}; trained here: "
+            f"{trained(run, first)}, in the reference: {trained(reference, first)}")

@@ -234,9 +234,9 @@ def uninterrupted_run(prefect_api, tmp_path_factory):
 @pytest.fixture(scope="session")
 def uninterrupted(uninterrupted_run) -> bytes:
     """The final weights (model.safetensors of step 3) of `uninterrupted_run`."""
-    from tests.flows.test_crash_resume import model_bytes
+    from tests.bitwise import weights_bytes
 
-    return model_bytes(uninterrupted_run)
+    return weights_bytes(uninterrupted_run, 3)
 
 
 @pytest.fixture(scope="session")

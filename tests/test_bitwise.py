@@ -11,8 +11,7 @@ import torch
 from safetensors.numpy import save
 from safetensors.torch import save as save_torch
 
-from tests.bitwise import difference
-from tests.flows.test_crash_resume import weights_difference
+from tests.bitwise import difference, weights_difference
 from trace_rl.storage import RunStorage
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.bitwise import weights_difference
 from tests.conftest import free_port
 from tests.faults.conftest import STEPS, write_config
-from tests.flows.test_crash_resume import finish, output, start, train_here, weights_difference
+from tests.flows.test_crash_resume import finish, output, start, train_here
 from tests.remote.conftest import env_server
 from trace_rl.storage import RunStorage
 

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from tests.bitwise import weights_difference
 from tests.faults.conftest import write_config
-from tests.flows.test_crash_resume import finish, output, start, weights_difference
+from tests.flows.test_crash_resume import finish, output, start
 from trace_rl.storage import RunStorage
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

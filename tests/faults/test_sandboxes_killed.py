@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from tests.bitwise import weights_bytes, weights_difference
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, model_bytes, output, start, train_here, weights_difference
+from tests.flows.test_crash_resume import finish, output, start, train_here
 from trace_rl.machine.processes import command, descendants, is_alive, stat
 from trace_rl.sandbox import bwrap_lack
 from trace_rl.sandbox.sandbox import default_root
@@ -87,4 +88,4 @@ def test_a_run_killed_with_sandboxes_running_leaves_none_and_resumes_bitwise(pre
     assert not list(default_root().glob(f"{resumed.pid}-*"))
     assert storage.stable_steps("weights") == [1, 2]  # ckpt.keep_weights_every = 1
     assert (why := weights_difference(storage, straight_storage, STEPS)) is None, why
-    assert model_bytes(storage, STEPS) != model_bytes(storage, 1)  # the sandboxes' rewards trained step 2
+    assert weights_bytes(storage, STEPS) != weights_bytes(storage, 1)  # the sandboxes' rewards trained step 2

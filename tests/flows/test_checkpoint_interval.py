@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tests.bitwise import weights_difference
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import weights_difference
 from tests.flows.test_pipeline import step_runs
 from trace_rl.pipeline import session
 from trace_rl.runs.loading import validate_config

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.bitwise import difference
+from tests.bitwise import weights_difference
 from tests.flows.conftest import small_config
 from trace_rl.storage import RunStorage
 
@@ -66,43 +66,6 @@ def kill_when(process: subprocess.Popen, ready, timeout: float = 300) -> None:
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-
-
-def model_bytes(storage: RunStorage, step: int = STEPS) -> bytes:
-    """The safetensors of the weights a run exported after `step`, read through its storage (any fsspec URL)."""
-    return storage.read_bytes(storage.path("weights", f"{step:06d}", "model.safetensors"))
-
-
-def weights_difference(run: RunStorage, reference: RunStorage, step: int = STEPS) -> str | None:
-    """None when the weights `run` and `reference` exported after `step` are the same bytes; else where `run` first
-    parts from `reference`: the first step whose weights differ and in which tensors, whether its batch does, and
-    both runs' training metrics of that step (what tells a different batch from the same batch trained
-    differently)."""
-    import io
-
-    import pyarrow.parquet as pq
-
-    if model_bytes(run, step) == model_bytes(reference, step):
-        return None
-
-    def trained(storage: RunStorage, step: int) -> dict:
-        metrics = storage.read_json(storage.step_path(step, "train_metrics.json"))
-        return {key: metrics.get(key) for key in ("loss", "grad_norm", "entropy", "mismatch/mean_abs_logprob_diff")}
-
-    def batch(storage: RunStorage, step: int):
-        path = storage.step_path(step, "batch.parquet")
-        return pq.read_table(io.BytesIO(storage.read_bytes(path))) if storage.exists(path) else None
-
-    def differ(s: int) -> bool:
-        kept = all(storage.is_stable(storage.path("weights", f"{s:06d}")) for storage in (run, reference))
-        return kept and model_bytes(run, s) != model_bytes(reference, s)
-
-    first = next(s for s in range(1, step + 1) if s == step or differ(s))
-    here, there = batch(run, first), batch(reference, first)
-    same = "unknown" if here is None or there is None else "the same" if here.equals(there) else "different"
-    tensors = difference(model_bytes(run, first), model_bytes(reference, first))
-    return (f"the weights of step {first} differ first ({tensors}); its batch is {same}; trained here: "
-            f"{trained(run, first)}, in the reference: {trained(reference, first)}")
 
 
 @pytest.mark.slow

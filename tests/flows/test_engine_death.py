@@ -14,9 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.bitwise import weights_difference
 from tests.conftest import VLLM_ENGINE
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import output, start, train_here, weights_difference
+from tests.flows.test_crash_resume import output, start, train_here
 from tests.flows.test_lifecycle import (
     assert_killed_run_leaves_no_process_then_resume_takes_over,
     assert_refused,

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from tests.bitwise import weights_difference
 from tests.conftest import free_port
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, output, start, train_here, weights_difference
+from tests.flows.test_crash_resume import finish, output, start, train_here
 from tests.trainer.test_nodes import finished, kill_node_one, start_node
 from trace_rl.storage import RunStorage
 from trace_rl.trainer.nodes import NODES, ControlDir, NodeSession

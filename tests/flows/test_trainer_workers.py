@@ -13,8 +13,9 @@ import pytest
 import tomli_w
 from safetensors.torch import load, load_file
 
+from tests.bitwise import weights_difference
 from tests.flows.conftest import small_config
-from tests.flows.test_crash_resume import finish, output, start, weights_difference
+from tests.flows.test_crash_resume import finish, output, start
 from trace_rl.machine import processes
 from trace_rl.machine.processes import command, descendants, is_alive, start_times
 from trace_rl.pipeline.session import session_for

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from tests.bitwise import difference
+from tests.bitwise import difference, weights_bytes
 from tests.trainer.conftest import make_batch, storage_for
 from trace_rl.machine import processes
 from trace_rl.tables import write_batch
@@ -29,10 +29,6 @@ def two_ranks(make_config, name: str, parallel: str):
     for step in (1, 2, 3):
         write_batch(store, step, make_batch(100 + step))
     return config, store
-
-
-def weights_bytes(store, step: int) -> bytes:
-    return (Path(store.path("weights", f"{step:06d}")) / "model.safetensors").read_bytes()
 
 
 def test_the_same_workers_serve_steps_one_to_three_and_fresh_ones_resume_bitwise_after_a_sigkill(make_config):
